@@ -1,0 +1,5 @@
+import sys
+
+from kvcap.cli import main
+
+sys.exit(main())

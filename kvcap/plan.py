@@ -1,0 +1,437 @@
+"""Capacity arithmetic: KV bytes, what fits per GPU and per memory tier, token rates, Little's law, link budget.
+
+The article's sizing method made exact: per-layer KV rules (GQA/MHA, MLA latents, sliding windows, SSM
+state), the memory a serving engine keeps out of the KV pool (weights, activation peak, runtime overhead,
+reserve — the way vLLM profiles it), block rounding, and the link traffic that parked sequences cost when
+they are brought back to HBM to decode. Pure functions; the simulator's tiers call them too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from kvcap.errors import InputError
+from kvcap.specs.hardware import GpuSpec, LinkSpec, host_link_for, load_gpu, load_link
+from kvcap.specs.model import ModelSpec, load_model
+from kvcap.specs.scenario import Scenario
+from kvcap.units import bytes_s_to_gbps
+
+DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0,
+                                 "int4": 0.5 + 2.5 / 128}
+"""int4 includes a 16-bit scale and a 4-bit zero point per group of 128 (AWQ/GPTQ style)."""
+
+SAMPLER_COPIES = 2
+"""vLLM's profiling run samples max_num_seqs rows of fp32 logits; logits plus one working copy."""
+ASSUMED_TPOT_S = 0.05
+ASSUMED_TTFT_S = 0.5
+
+
+def kv_element_bytes(model: ModelSpec, kv_dtype: str, weights_dtype: str) -> float:
+    """'auto' means the model's 16-bit dtype (vLLM's default), also for fp8/int4 checkpoints."""
+    if kv_dtype == "auto":
+        return 4.0 if weights_dtype == "fp32" else 2.0
+    return DTYPE_BYTES[kv_dtype]
+
+
+def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
+    """KV heads one tensor-parallel rank holds (heads are replicated when tp exceeds them)."""
+    return max(1, math.ceil(model.num_kv_heads / tp))
+
+
+def kv_layer_bytes_per_token(model: ModelSpec, elem_bytes: float, tp: int = 1) -> float:
+    """Bytes one attention layer stores per token on one GPU of a tp group (tp=1: the whole layer).
+
+    GQA/MHA: K and V, one vector per KV head. MLA: one latent (kv_lora_rank + rope dims), no ×2, and every
+    rank keeps the whole latent (it is not split by tensor parallelism).
+    """
+    if model.attention == "mla":
+        return (model.mla_kv_lora_rank + model.mla_rope_head_dim) * elem_bytes
+    return 2 * kv_heads_per_gpu(model, tp) * model.head_dim * elem_bytes
+
+
+def kv_bytes_per_token(model: ModelSpec, elem_bytes: float, tp: int = 1, pp: int = 1) -> float:
+    """Full-context rate: every attention layer holds this token (before any window is reached)."""
+    return kv_layer_bytes_per_token(model, elem_bytes, tp) * model.attention_layers / pp
+
+
+def ssm_state_bytes(model: ModelSpec, tp: int = 1, pp: int = 1, state_bytes: float = 2.0) -> float:
+    """Fixed per-sequence state of SSM/linear layers (16-bit), split across tp ranks and pp stages."""
+    n = sum(k in ("ssm", "linear") for k in model.layer_kinds)
+    return n * model.ssm_state_elements * state_bytes / tp / pp
+
+
+def round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def kv_bytes_per_sequence(model: ModelSpec, tokens: int, elem_bytes: float, block_size: int = 16,
+                          tp: int = 1, pp: int = 1) -> float:
+    """KV one sequence of ``tokens`` tokens holds, in whole blocks; sliding layers hold min(T, W) tokens."""
+    per_layer = kv_layer_bytes_per_token(model, elem_bytes, tp)
+    full_tokens = round_up(tokens, block_size)
+    window = model.sliding_window or tokens
+    slide_tokens = round_up(min(tokens, window), block_size)
+    n_full = sum(k == "full" for k in model.layer_kinds)
+    n_slide = sum(k == "sliding" for k in model.layer_kinds)
+    return per_layer * (n_full * full_tokens + n_slide * slide_tokens) / pp + ssm_state_bytes(model, tp, pp)
+
+
+def weights_bytes(model: ModelSpec, dtype: str) -> float:
+    """All parameters (MoE: every expert) at ``dtype``; embeddings stay 16-bit in quantized checkpoints."""
+    if dtype in ("fp32", "fp16", "bf16"):
+        return model.num_parameters * DTYPE_BYTES[dtype]
+    emb = min(model.embedding_parameters, model.num_parameters)
+    return (model.num_parameters - emb) * DTYPE_BYTES[dtype] + emb * 2.0
+
+
+def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
+                          tp: int = 1, act_bytes: float = 2.0) -> float:
+    """Peak transient memory of one forward pass over ``max_num_batched_tokens`` (vLLM's profiling run).
+
+    Per token: a few hidden-size residual/norm buffers, the QKV projection, and the MLP's gate+up output plus
+    its activation (3 × intermediate; MoE: for each routed expert); plus the sampler's fp32 logits for
+    ``max_num_seqs`` rows.
+    """
+    q_kv = (model.num_attention_heads + 2 * model.num_kv_heads) * model.head_dim
+    if model.moe is not None:
+        inter = model.moe.experts_per_token * model.moe.expert_intermediate_size + model.moe.shared_intermediate_size
+    else:
+        inter = model.intermediate_size
+    per_token = 4 * model.hidden_size + q_kv / tp + 3 * inter / tp
+    sampler = max_num_seqs * model.vocab_size * 4.0 * SAMPLER_COPIES
+    return max_num_batched_tokens * per_token * act_bytes + sampler
+
+
+class Tier(BaseModel):
+    name: str
+    capacity_bytes: float
+    """Bytes given to KV in this tier, whole cluster."""
+    requests: int
+    link: str | None = None
+
+
+class LinkBudget(BaseModel):
+    tier: str
+    link_name: str
+    parked_requests: int
+    parked_per_link: float
+    required_bytes_s: float
+    capacity_bytes_s: float
+    required_gbps: float
+    capacity_gbps: float
+    utilization: float
+    decode_in_place_s_per_step: float
+    """Time to stream the parked sequences' KV over the link once: what one decode step would wait."""
+
+
+class PlanResult(BaseModel):
+    model: str
+    model_source: str
+    attention_kind: str
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+    gpus: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    replicas: int
+    weights_dtype: str
+    kv_dtype: str
+    kv_element_bytes: float
+    num_parameters: int
+    parameters_source: str
+    kv_bytes_per_token: float
+    kv_bytes_per_token_per_gpu: float
+    weights_bytes: float
+    weights_bytes_per_gpu: float
+    gpu_memory_bytes: float
+    gpu_memory_utilization: float
+    activation_peak_bytes_per_gpu: float
+    runtime_overhead_bytes_per_gpu: float
+    reserve_bytes_per_gpu: float
+    usable_kv_bytes_per_gpu: float
+    block_size: int
+    kv_blocks_per_gpu: int
+    kv_tokens_per_gpu: int
+    input_tokens: int
+    output_tokens: int
+    tokens_per_request: int
+    kv_bytes_per_request: float
+    kv_bytes_per_request_per_gpu: float
+    max_num_seqs: int
+    resident_requests: dict[str, int]
+    resident_requests_per_gpu: dict[str, float]
+    tiers: list[Tier]
+    rate: float | None = None
+    input_tok_s: float | None = None
+    output_tok_s: float | None = None
+    response_time_s: float | None = None
+    response_time_assumed: bool = False
+    active_sequences: float | None = None
+    in_flight: float | None = None
+    in_flight_source: str | None = None
+    link: dict[str, float | str] | None = None
+    links: list[LinkBudget] = []
+    assumptions: list[str] = []
+    warnings: list[str] = []
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything `plan` needs, resolved from a scenario (CLI flags are scenario overrides)."""
+
+    scenario: Scenario
+    model: ModelSpec
+    gpu: GpuSpec
+    host_link: LinkSpec
+    interconnect: LinkSpec
+    weights_dtype: str
+    rate: float | None
+    response_time_s: float | None
+    concurrency: int | None = None
+
+
+def resolve_gpu(scenario: Scenario) -> GpuSpec:
+    ref = scenario.cluster.gpu
+    gpu = load_gpu(ref.preset)
+    updates = {k: v for k, v in {"memory_bytes": ref.memory, "memory_bandwidth_bytes_s": ref.memory_bandwidth,
+                                 "bf16_tflops": ref.bf16_tflops, "fp8_tflops": ref.fp8_tflops}.items()
+               if v is not None}
+    return gpu.model_copy(update=updates) if updates else gpu
+
+
+def resolve_link(ref_preset: str | None, bandwidth: float | None, latency: float | None,
+                 default: LinkSpec) -> LinkSpec:
+    """A preset (or the default) with explicit bandwidth/latency applied; its efficiency and kind are kept."""
+    link = load_link(ref_preset) if ref_preset else default
+    if bandwidth is not None:
+        link = link.model_copy(update={"bandwidth_bits_s": bandwidth * 8.0, "key": "custom",
+                                       "name": f"{bandwidth * 8 / 1e9:g} Gbps {link.kind}"})
+    if latency is not None:
+        link = link.model_copy(update={"latency_s": latency})
+    return link
+
+
+def resolve(scenario: Scenario, rate: float | None = None, response_time_s: float | None = None,
+            concurrency: int | None = None) -> PlanInputs:
+    model = load_model(scenario.model.ref, scenario.model.num_parameters)
+    gpu = resolve_gpu(scenario)
+    c = scenario.cluster
+    host_link = resolve_link(c.host_link.preset, c.host_link.bandwidth, c.host_link.latency, host_link_for(gpu))
+    inter = resolve_link(c.interconnect.preset, c.interconnect.bandwidth, c.interconnect.latency,
+                         load_link("eth-100g"))
+    if rate is None and scenario.load.rate:
+        rate = max(scenario.load.rate)
+    if response_time_s is None:
+        response_time_s = scenario.load.response_time
+    if concurrency is None and scenario.load.concurrency:
+        concurrency = max(scenario.load.concurrency)
+    return PlanInputs(scenario=scenario, model=model, gpu=gpu, host_link=host_link, interconnect=inter,
+                      weights_dtype=scenario.model.weights_dtype or model.native_dtype, rate=rate,
+                      response_time_s=response_time_s, concurrency=concurrency)
+
+
+def plan(inputs: PlanInputs) -> PlanResult:
+    """Per-GPU and cluster capacity for the scenario; raises InputError when the model cannot fit."""
+    sc, model, gpu = inputs.scenario, inputs.model, inputs.gpu
+    sv, cl, wl = sc.serving, sc.cluster, sc.workload
+    tp, pp = sv.tensor_parallel, sv.pipeline_parallel
+    per_replica = tp * pp
+    if cl.gpus % per_replica:
+        raise InputError(f"{cl.gpus} GPUs cannot be split into replicas of tp×pp = {per_replica}")
+    replicas = cl.gpus // per_replica
+    elem = kv_element_bytes(model, sc.model.kv_dtype, inputs.weights_dtype)
+    kv_dtype = sc.model.kv_dtype
+    if kv_dtype == "auto":
+        kv_dtype = inputs.weights_dtype if inputs.weights_dtype in ("fp32", "fp16", "bf16") else "bf16"
+    assumptions: list[str] = []
+    warnings: list[str] = []
+
+    w_total = weights_bytes(model, inputs.weights_dtype)
+    w_gpu = w_total / per_replica
+    act = activation_peak_bytes(model, sv.max_num_batched_tokens, sv.max_num_seqs, tp)
+    budget = gpu.memory_bytes * sv.gpu_memory_utilization
+    usable = budget - w_gpu - act - sv.runtime_overhead - sv.reserve
+    if w_gpu >= budget:
+        raise InputError(
+            f"{model.name} weights ({w_gpu / 2**30:.1f} GiB per GPU at {inputs.weights_dtype}, tp={tp}, pp={pp}) "
+            f"do not fit in {gpu.memory_bytes / 2**30:.1f} GiB × {sv.gpu_memory_utilization:g} utilization on "
+            f"{gpu.name}: use more GPUs per replica, a smaller weights dtype or a bigger GPU")
+    if usable <= 0:
+        raise InputError(
+            f"no memory left for KV cache on {gpu.name}: budget {budget / 2**30:.2f} GiB − weights "
+            f"{w_gpu / 2**30:.2f} GiB − activations {act / 2**30:.2f} GiB − overhead/reserve "
+            f"{(sv.runtime_overhead + sv.reserve) / 2**30:.2f} GiB ≤ 0")
+
+    tok_gpu = kv_bytes_per_token(model, elem, tp, pp)
+    blocks = int(usable // (tok_gpu * sv.block_size))
+    tokens_req = wl.input_tokens + wl.output_tokens
+    req_gpu = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size, tp, pp)
+    req_total = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size)
+    if model.max_position_embeddings and tokens_req > model.max_position_embeddings:
+        warnings.append(f"{tokens_req} tokens per request exceed the model's context of "
+                        f"{model.max_position_embeddings}")
+
+    hbm_per_replica = min(int(usable // req_gpu), sv.max_num_seqs)
+    if int(usable // req_gpu) > sv.max_num_seqs:
+        assumptions.append(f"HBM could hold {int(usable // req_gpu)} requests per replica; "
+                           f"max_num_seqs={sv.max_num_seqs} caps it")
+    tiers = [Tier(name="hbm", capacity_bytes=usable * cl.gpus, requests=hbm_per_replica * replicas)]
+
+    host_cap_node = sv.host_kv_capacity
+    if host_cap_node is None and cl.host_memory is not None:
+        host_cap_node = cl.host_memory // 2
+        assumptions.append(f"host memory for KV = 50% of {cl.host_memory / 2**30:.0f} GiB per node "
+                           "(set serving.host_kv_capacity to change)")
+    if "host" in sv.tiers:
+        if host_cap_node is None:
+            raise InputError("kv_offload includes host but no host memory is given (--host-mem or "
+                             "cluster.host_memory)")
+        tiers.append(Tier(name="host", capacity_bytes=host_cap_node * cl.nodes,
+                          requests=int(host_cap_node // req_total) * cl.nodes, link=inputs.host_link.name))
+    if "remote" in sv.tiers:
+        if cl.remote_memory is None:
+            raise InputError("kv_offload includes remote but no remote memory is given (--remote-mem or "
+                             "cluster.remote_memory)")
+        tiers.append(Tier(name="remote", capacity_bytes=cl.remote_memory,
+                          requests=int(cl.remote_memory // req_total), link=inputs.interconnect.name))
+    resident = {t: 0 for t in ("hbm", "host", "remote")}
+    for t in tiers:
+        resident[t.name] = t.requests
+    resident["total"] = sum(t.requests for t in tiers)
+
+    result = PlanResult(
+        model=model.name, model_source=model.source, attention_kind=model.attention_kind, gpu=gpu.name,
+        nodes=cl.nodes, gpus_per_node=cl.gpus_per_node, gpus=cl.gpus, tensor_parallel=tp, pipeline_parallel=pp,
+        replicas=replicas, weights_dtype=inputs.weights_dtype, kv_dtype=kv_dtype, kv_element_bytes=elem,
+        num_parameters=model.num_parameters, parameters_source=model.parameters_source,
+        kv_bytes_per_token=kv_bytes_per_token(model, elem), kv_bytes_per_token_per_gpu=tok_gpu,
+        weights_bytes=w_total, weights_bytes_per_gpu=w_gpu, gpu_memory_bytes=gpu.memory_bytes,
+        gpu_memory_utilization=sv.gpu_memory_utilization, activation_peak_bytes_per_gpu=act,
+        runtime_overhead_bytes_per_gpu=sv.runtime_overhead, reserve_bytes_per_gpu=sv.reserve,
+        usable_kv_bytes_per_gpu=usable, block_size=sv.block_size, kv_blocks_per_gpu=blocks,
+        kv_tokens_per_gpu=blocks * sv.block_size, input_tokens=wl.input_tokens, output_tokens=wl.output_tokens,
+        tokens_per_request=tokens_req, kv_bytes_per_request=req_total, kv_bytes_per_request_per_gpu=req_gpu,
+        max_num_seqs=sv.max_num_seqs, resident_requests=resident,
+        resident_requests_per_gpu={k: v / cl.gpus for k, v in resident.items()}, tiers=tiers,
+        assumptions=assumptions, warnings=warnings,
+    )
+    _add_rates(result, inputs)
+    _add_links(result, inputs)
+    _add_model_notes(result, model, inputs)
+    return result
+
+
+def _add_rates(r: PlanResult, inputs: PlanInputs) -> None:
+    """Token rates from the request rate; active sequences by Little's law (L = λ·W)."""
+    if inputs.response_time_s is not None:
+        r.response_time_s = inputs.response_time_s
+    if inputs.rate is None:
+        return
+    if inputs.rate <= 0:
+        raise InputError(f"--rate must be positive, got {inputs.rate:g}")
+    r.rate = inputs.rate
+    r.input_tok_s = inputs.rate * r.input_tokens
+    r.output_tok_s = inputs.rate * r.output_tokens
+    if inputs.response_time_s is not None:
+        r.active_sequences = inputs.rate * inputs.response_time_s
+        if r.active_sequences > r.resident_requests["total"]:
+            r.warnings.append(
+                f"Little's law: {inputs.rate:g} req/s × {inputs.response_time_s:g} s = "
+                f"{r.active_sequences:.1f} sequences in flight, more than the {r.resident_requests['total']} "
+                "that fit: requests will queue and the response time will grow")
+
+
+def _add_links(r: PlanResult, inputs: PlanInputs) -> None:
+    """Traffic to bring parked sequences back to HBM, against each offload tier's link.
+
+    A parked sequence cannot decode where it is (decode re-reads its whole KV every step); it must be swapped
+    in. The least traffic a scheduler can achieve is one swap-in of each parked sequence's KV per response
+    time, so the required rate is parked × KV bytes / response time, per link. The in-flight count is the
+    given concurrency, else Little's law when a rate and response time are given, else every resident slot.
+    """
+    offload = [t for t in r.tiers if t.name != "hbm"]
+    if not offload:
+        return
+    resp = r.response_time_s
+    if resp is None:
+        resp = ASSUMED_TTFT_S + r.output_tokens * ASSUMED_TPOT_S
+        r.response_time_assumed = True
+        r.assumptions.append(f"response time assumed {resp:g} s (TTFT {ASSUMED_TTFT_S:g} s + "
+                             f"{r.output_tokens} × TPOT {ASSUMED_TPOT_S * 1e3:g} ms); give --response-time")
+    if inputs.concurrency is not None:
+        in_flight, r.in_flight_source = float(inputs.concurrency), "concurrency"
+    elif r.active_sequences is not None:
+        in_flight, r.in_flight_source = r.active_sequences, "little's law"
+    else:
+        in_flight, r.in_flight_source = float(r.resident_requests["total"]), "all resident slots"
+        r.assumptions.append("in flight = every resident slot (give --concurrency or --rate with --response-time)")
+    r.in_flight = in_flight
+    if in_flight > r.resident_requests["total"]:
+        r.warnings.append(f"{in_flight:g} requests in flight exceed the {r.resident_requests['total']} that can "
+                          "reside: the rest queue")
+    remaining = max(0.0, in_flight - r.resident_requests["hbm"])
+    inter = inputs.interconnect
+    for tier in offload:
+        parked = min(remaining, float(tier.requests))
+        remaining -= parked
+        if tier.name == "host":
+            link, n_links = inputs.host_link, r.gpus
+        else:
+            link, n_links = inter, r.nodes
+        per_link = parked / n_links
+        required = per_link * r.kv_bytes_per_request / resp
+        cap = link.bytes_s
+        budget = LinkBudget(
+            tier=tier.name, link_name=link.name, parked_requests=round(parked), parked_per_link=per_link,
+            required_bytes_s=required, capacity_bytes_s=cap, required_gbps=bytes_s_to_gbps(required),
+            capacity_gbps=bytes_s_to_gbps(cap), utilization=required / cap,
+            decode_in_place_s_per_step=per_link * r.kv_bytes_per_request / link.effective_bytes_s
+            + link.latency_s)
+        r.links.append(budget)
+        where = "per GPU (PCIe)" if tier.name == "host" else "per node (NIC)"
+        if required > cap * link.efficiency:
+            r.warnings.append(
+                f"{tier.name} tier: swapping parked sequences back needs {budget.required_gbps:.1f} Gbps "
+                f"{where}, more than the {link.name}'s {budget.capacity_gbps:.0f} Gbps "
+                f"× {link.efficiency:g} achievable")
+        elif required > 0.7 * cap * link.efficiency:
+            r.warnings.append(f"{tier.name} tier: swap-in traffic would use {budget.utilization:.0%} of the "
+                              f"{link.name} {where}: little headroom for queueing or other traffic")
+    remote = next((b for b in r.links if b.tier == "remote"), None)
+    chosen = remote or r.links[0]
+    r.link = {"tier": chosen.tier, "required_gbps": chosen.required_gbps, "capacity_gbps": chosen.capacity_gbps,
+              "required_gb_s": chosen.required_bytes_s / 1e9, "capacity_gb_s": chosen.capacity_bytes_s / 1e9,
+              "decode_in_place_ms_per_step": chosen.decode_in_place_s_per_step * 1e3}
+
+
+def _add_model_notes(r: PlanResult, model: ModelSpec, inputs: PlanInputs) -> None:
+    a = r.assumptions
+    a.insert(0, f"usable KV per GPU = {r.gpu_memory_bytes / 2**30:.2f} GiB × {r.gpu_memory_utilization:g} − "
+                f"weights {r.weights_bytes_per_gpu / 2**30:.2f} GiB − activation peak "
+                f"{r.activation_peak_bytes_per_gpu / 2**30:.2f} GiB − runtime overhead "
+                f"{r.runtime_overhead_bytes_per_gpu / 2**30:.2f} GiB − reserve {r.reserve_bytes_per_gpu / 2**30:.2f}"
+                f" GiB")
+    a.append(f"KV per request = {r.tokens_per_request} tokens ({r.input_tokens} in + {r.output_tokens} out) "
+             f"rounded up to blocks of {r.block_size}")
+    if model.parameters_source == "estimated":
+        a.append(f"parameter count estimated from the config's shapes ({model.num_parameters / 1e9:.2f} B); "
+                 "pass model.num_parameters for the exact figure")
+    if model.moe is not None:
+        a.append(f"MoE: weights count all {model.moe.num_experts} experts "
+                 f"({model.active_parameters / 1e9:.1f} B of {model.num_parameters / 1e9:.1f} B active per token)")
+    if model.sliding_window:
+        n = sum(k == "sliding" for k in model.layer_kinds)
+        a.append(f"{n} of {model.num_layers} layers use a {model.sliding_window}-token sliding window: they hold "
+                 f"min(T, {model.sliding_window}) tokens")
+    if model.ssm_state_elements:
+        n = sum(k in ("ssm", "linear") for k in model.layer_kinds)
+        a.append(f"{n} SSM/linear-attention layers hold a fixed {ssm_state_bytes(model) / 2**20:.1f} MiB state "
+                 "per sequence; only attention layers grow with tokens")
+    if model.attention == "mla":
+        a.append("MLA: one latent per layer (kv_lora_rank + rope dims), not split by tensor parallelism")
+    if inputs.weights_dtype in ("int4", "int8", "fp8"):
+        a.append("quantized weights: embeddings and LM head kept in 16-bit")

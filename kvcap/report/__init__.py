@@ -1,0 +1,1 @@
+"""Output for people: terminal tables (rich), HTML and Markdown reports, JSON."""

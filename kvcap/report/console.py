@@ -1,0 +1,87 @@
+"""Terminal tables (rich) for command results."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from kvcap.plan import PlanResult
+from kvcap.units import format_bandwidth, format_size
+
+
+def make_console() -> Console:
+    """A console at least 110 columns wide when output is not a terminal (tables stay readable in files)."""
+    con = Console()
+    if not con.is_terminal:
+        con = Console(width=max(con.width, 110))
+    return con
+
+
+def _int(n: float) -> str:
+    return f"{n:,.0f}"
+
+
+def render_plan(r: PlanResult, console: Console | None = None) -> None:
+    """The plan as two tables (memory per GPU; residency per tier) plus rates, links, assumptions, warnings."""
+    con = console or make_console()
+    title = (f"{r.model} ({r.attention_kind}, {r.num_parameters / 1e9:.2f} B params, weights {r.weights_dtype}, "
+             f"KV {r.kv_dtype}) on {r.nodes} node(s) × {r.gpus_per_node} {r.gpu}")
+    con.print(f"[bold]{title}[/bold]")
+    mem = Table(show_header=True)
+    mem.add_column("per GPU")
+    mem.add_column("value", justify="right")
+    rows = [
+        ("GPU memory", format_size(r.gpu_memory_bytes)),
+        (f"× utilization {r.gpu_memory_utilization:g}", format_size(r.gpu_memory_bytes * r.gpu_memory_utilization)),
+        (f"− weights (tp={r.tensor_parallel}, pp={r.pipeline_parallel})", format_size(r.weights_bytes_per_gpu)),
+        ("− activation peak", format_size(r.activation_peak_bytes_per_gpu)),
+        ("− runtime overhead", format_size(r.runtime_overhead_bytes_per_gpu)),
+        ("− reserve", format_size(r.reserve_bytes_per_gpu)),
+        ("= usable for KV", format_size(r.usable_kv_bytes_per_gpu)),
+        ("KV bytes per token (all layers, this GPU)", f"{_int(r.kv_bytes_per_token_per_gpu)} B"),
+        (f"KV blocks of {r.block_size} tokens", _int(r.kv_blocks_per_gpu)),
+        ("KV tokens", _int(r.kv_tokens_per_gpu)),
+        (f"KV per request ({r.tokens_per_request} tokens)", format_size(r.kv_bytes_per_request_per_gpu)),
+    ]
+    for k, v in rows:
+        mem.add_row(k, v)
+    con.print(mem)
+
+    tiers = Table(title="Resident requests (all KV of a request in one tier)", title_justify="left")
+    tiers.add_column("tier")
+    tiers.add_column("KV capacity", justify="right")
+    tiers.add_column("requests", justify="right")
+    tiers.add_column("per GPU", justify="right")
+    tiers.add_column("reached over")
+    for t in r.tiers:
+        tiers.add_row(t.name, format_size(t.capacity_bytes), _int(t.requests), f"{t.requests / r.gpus:.1f}",
+                      t.link or "local HBM")
+    tiers.add_row("total", "", _int(r.resident_requests["total"]),
+                  f"{r.resident_requests['total'] / r.gpus:.1f}", "", style="bold")
+    con.print(tiers)
+    con.print(f"Only the [bold]{r.resident_requests['hbm']}[/bold] HBM-resident requests can decode at once; "
+              "the others are parked and must be swapped back before each of their decode turns.")
+
+    if r.rate is not None:
+        con.print(f"\nRate {r.rate:g} req/s → input {_int(r.input_tok_s or 0)} tok/s, "
+                  f"output {_int(r.output_tok_s or 0)} tok/s")
+        if r.active_sequences is not None:
+            con.print(f"Little's law: {r.rate:g} req/s × {r.response_time_s:g} s = "
+                      f"{r.active_sequences:.1f} sequences in flight")
+    if r.links:
+        links = Table(title=f"Link budget to bring parked sequences back ({r.in_flight:g} in flight: "
+                            f"{r.in_flight_source})", title_justify="left")
+        for col in ("tier", "link", "parked per link", "swap-in needs ≥", "capacity", "use", "decode in place"):
+            links.add_column(col, justify="left" if col in ("tier", "link") else "right")
+        for b in r.links:
+            links.add_row(b.tier, b.link_name, f"{b.parked_per_link:.1f}", format_bandwidth(b.required_bytes_s),
+                          format_bandwidth(b.capacity_bytes_s), f"{b.utilization:.0%}",
+                          f"{b.decode_in_place_s_per_step * 1e3:.0f} ms/step")
+        con.print(links)
+    con.print("\n[bold]Assumptions[/bold]")
+    for a in r.assumptions:
+        con.print(f"  • {a}")
+    if r.warnings:
+        con.print("\n[bold yellow]Warnings[/bold yellow]")
+        for w in r.warnings:
+            con.print(f"  [yellow]![/yellow] {w}")

@@ -1,0 +1,1 @@
+"""Typed, validated specs: model, hardware, scenario (cluster, serving, workload, load plan, SLO)."""

@@ -1,0 +1,235 @@
+"""Scenario files: the validated description of a cluster, a model, how it is served, the workload, the load
+plan and the SLO. ``plan``, ``sim`` and ``bench`` manifests all speak these dotted keys (``cluster.nodes``,
+``serving.max_num_seqs``…), so an A/B's fixed variables have one vocabulary.
+
+Quantities accept unit strings (``24GiB``, ``100Gbps``, ``500ms``) and are held in base units.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from kvcap.errors import InputError
+from kvcap.units import parse_bandwidth, parse_duration, parse_fraction, parse_size
+
+Size = Annotated[int, BeforeValidator(lambda v: parse_size(v))]
+Bandwidth = Annotated[float, BeforeValidator(lambda v: parse_bandwidth(v))]
+Duration = Annotated[float, BeforeValidator(lambda v: parse_duration(v))]
+Fraction = Annotated[float, BeforeValidator(lambda v: parse_fraction(v))]
+
+DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+WeightsDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
+KvDtype = Literal["auto", "fp32", "fp16", "bf16", "fp8"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuRef(_Strict):
+    preset: str = "rtx4090"
+    memory: Size | None = None
+    memory_bandwidth: Bandwidth | None = None
+    bf16_tflops: float | None = Field(default=None, gt=0)
+    fp8_tflops: float | None = Field(default=None, gt=0)
+
+
+class LinkRef(_Strict):
+    """A link by preset name and/or explicit figures (explicit figures win)."""
+
+    preset: str | None = None
+    bandwidth: Bandwidth | None = None
+    latency: Duration | None = None
+
+
+class ClusterSpec(_Strict):
+    nodes: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=1, ge=1)
+    gpu: GpuRef = GpuRef()
+    host_memory: Size | None = None
+    """Physical host RAM per node."""
+    host_link: LinkRef = LinkRef()
+    """GPU↔host path (PCIe) per GPU; default: the GPU's PCIe generation, x16."""
+    interconnect: LinkRef = LinkRef(preset="eth-100g")
+    """Node NIC to the other nodes / the remote memory pool, per node."""
+    remote_memory: Size | None = None
+    """Size of the distributed/remote memory pool available to the KV cache, whole cluster."""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class ModelRef(_Strict):
+    preset: str | None = None
+    config: str | None = None
+    weights_dtype: WeightsDtype | None = None
+    """Default: the checkpoint's own dtype (fp8 for DeepSeek-V3, else its torch_dtype)."""
+    kv_dtype: KvDtype = "auto"
+    """'auto' = the 16-bit dtype of the weights (vLLM's default)."""
+    num_parameters: int | None = Field(default=None, gt=0)
+
+    @property
+    def ref(self) -> str:
+        if self.config:
+            return self.config
+        return self.preset or "llama-3.1-8b"
+
+
+KvOffload = Literal["none", "host", "remote", "host+remote"]
+
+
+class ServingSpec(_Strict):
+    engine: str = "vllm"
+    tensor_parallel: int = Field(default=1, ge=1)
+    pipeline_parallel: int = Field(default=1, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    chunked_prefill: bool = True
+    gpu_memory_utilization: Fraction = 0.9
+    block_size: int = Field(default=16, ge=1)
+    enable_prefix_caching: bool = True
+    kv_offload: KvOffload = "none"
+    host_kv_capacity: Size | None = None
+    """Host RAM per node given to offloaded KV; default half of cluster.host_memory."""
+    runtime_overhead: Size = 650 * 2**20
+    """Non-KV, non-weight, non-activation GPU memory (CUDA/cuBLAS/NCCL workspaces, allocator slack, graphs)."""
+    reserve: int = Field(default=0, ge=0)
+    """Extra per-GPU safety margin (bytes) kept out of the KV pool."""
+
+    @field_validator("reserve", mode="before")
+    @classmethod
+    def _reserve(cls, v: Any) -> int:
+        return 0 if v in (0, "0", None) else parse_size(v, "serving.reserve")
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return {"none": ("hbm",), "host": ("hbm", "host"), "remote": ("hbm", "remote"),
+                "host+remote": ("hbm", "host", "remote")}[self.kv_offload]
+
+
+class WorkloadSpec(_Strict):
+    input_tokens: int = Field(default=1024, ge=1)
+    output_tokens: int = Field(default=256, ge=1)
+
+
+class LoadSpec(_Strict):
+    concurrency: list[int] | None = None
+    rate: list[float] | None = None
+    duration: Duration = 60.0
+    requests: int | None = Field(default=None, ge=1)
+    warmup: Duration = 10.0
+    repeats: int = Field(default=1, ge=1)
+    arrival: str = "poisson"
+    response_time: Duration | None = None
+    """Mean response time assumed by `plan` for Little's law (not a load setting)."""
+
+    @field_validator("concurrency", "rate", mode="before")
+    @classmethod
+    def _listify(cls, v: Any) -> Any:
+        if v is None or isinstance(v, list):
+            return v
+        if isinstance(v, str):
+            return [float(x) if "." in x else int(x) for x in v.replace(" ", "").split(",") if x]
+        return [v]
+
+
+class Scenario(_Strict):
+    name: str = "scenario"
+    description: str = ""
+    cluster: ClusterSpec = ClusterSpec()
+    model: ModelRef = ModelRef()
+    serving: ServingSpec = ServingSpec()
+    workload: WorkloadSpec = WorkloadSpec()
+    load: LoadSpec = LoadSpec()
+    slo: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("slo", mode="before")
+    @classmethod
+    def _slo_strings(cls, v: Any) -> Any:
+        return {str(k): str(x) for k, x in (v or {}).items()}
+
+
+def parse_set(items: list[str] | None) -> dict[str, Any]:
+    """``["cluster.nodes=8", "load.concurrency=[8,16]"]`` → {dotted key: YAML-parsed value}."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise InputError(f"--set expects dotted.key=value, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys into a nested dict (a copy); intermediate mappings are created as needed."""
+    result: dict[str, Any] = _deep_copy(data)
+    for dotted, value in overrides.items():
+        node = result
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if not isinstance(nxt, dict):
+                nxt = {} if nxt is None else None
+                if nxt is None:
+                    raise InputError(f"cannot set {dotted!r}: {part!r} is not a section")
+                node[part] = nxt
+            node = nxt
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d
+
+
+def read_yaml(path: str | Path, what: str = "scenario") -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{what} file {str(p)!r} not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"{what} file {str(p)!r} is not valid YAML: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise InputError(f"{what} file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def validation_message(exc: ValidationError, where: str) -> str:
+    """First pydantic error as one line: ``scenario.yaml: cluster.nodes: Input should be ≥ 1``."""
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    if isinstance(err.get("ctx", {}).get("error"), InputError):
+        msg = str(err["ctx"]["error"])
+    msg = msg.removeprefix("Value error, ")
+    return f"{where}: {loc}: {msg}"
+
+
+def build_scenario(data: dict[str, Any], where: str = "scenario") -> Scenario:
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(validation_message(exc, where)) from None
+
+
+def load_scenario(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Scenario:
+    data = read_yaml(path) if path else {}
+    return build_scenario(apply_overrides(data, overrides or {}), where=str(path or "input"))
