@@ -150,6 +150,209 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+
+# ---------------------------------------------------------------- bench
+
+BENCH_EXAMPLES = """
+examples:
+  kvcap bench --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,24 --input-tokens 1024 --output-tokens 256 \\
+              --warmup 10s --duration 60s --repeats 3 --slo ttft_p95=500ms,tpot_p95=80ms --out runs/control
+  kvcap bench --url http://127.0.0.1:8000/v1 --api chat --rate 0.5,1,2,4 --arrival gamma:cv=2 \\
+              --input-tokens lognormal:1024,400 --output-tokens uniform:128,256 --requests 200 --out runs/rate
+  kvcap bench --url http://127.0.0.1:8080 --trace ../shared/data/traces/splitwise_conv.csv --trace-speed 2 \\
+              --duration 120s --metrics-url http://127.0.0.1:8080/metrics --out runs/trace
+  kvcap bench --url http://gpu-host:8000 --concurrency 256,512,1024 --workers 2 --requests 2000 \\
+              --tokenizer ./tokenizer.json --prefix-tokens 512 --prefix-groups 8 --out runs/big
+"""
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="load an OpenAI-compatible streaming endpoint: fixed concurrency, fixed rate or a trace",
+        description=_doc("""
+            Sweeps load levels against a real endpoint and records every request (requests.jsonl, appended as each
+            finishes), the level windows (levels.jsonl), server metrics (telemetry.jsonl), the fixed variables
+            (manifest.json) and per-level statistics (summary.json). Open-loop latency counts from the scheduled
+            send time. Ctrl-C stops within seconds and still writes the summary.
+        """), epilog=BENCH_EXAMPLES, formatter_class=_formatter)
+    g = p.add_argument_group("target")
+    g.add_argument("--url", required=True, help="server base URL (…:8000, …/v1) or full endpoint URL")
+    g.add_argument("--api", choices=["completions", "chat"], default="completions", help="OpenAI API (completions)")
+    g.add_argument("--model", help="model name to send (default: the first of the server's /v1/models)")
+    g.add_argument("--header", action="append", metavar="NAME:VALUE", help="extra HTTP header (repeatable)")
+    g.add_argument("--api-key", help="bearer token (default: $KVCAP_API_KEY or $OPENAI_API_KEY); never stored")
+    g.add_argument("--timeout", default="120s", metavar="DURATION", help="per-request limit (120s)")
+    g.add_argument("--stall-timeout", metavar="DURATION", help="longest silence inside a stream (default: none)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0)")
+    g.add_argument("--no-force-length", action="store_true",
+                   help="do not send ignore_eos/min_tokens (for servers that reject them)")
+    g.add_argument("--extra-body", metavar="JSON", help="extra JSON fields merged into every request body")
+    g = p.add_argument_group("load (one of --concurrency, --rate, --trace)")
+    m = g.add_mutually_exclusive_group(required=True)
+    m.add_argument("--concurrency", metavar="LIST", help="closed loop: concurrent streams per level, e.g. 1,2,4,8")
+    m.add_argument("--rate", metavar="LIST", help="open loop: arrivals per second per level, e.g. 0.5,1,2,4")
+    m.add_argument("--trace", metavar="FILE", help="replay a trace: Mooncake JSONL, Splitwise/Azure CSV, kvcap JSONL")
+    g.add_argument("--arrival", default="poisson", help="open-loop process: poisson | constant | gamma:cv=X")
+    g.add_argument("--trace-speed", type=_positive_float, default=1.0, help="trace time compression (2 = twice as fast)")
+    g.add_argument("--warmup", default="10s", metavar="DURATION", help="per level, not measured (10s)")
+    g.add_argument("--duration", metavar="DURATION", help="measured time per level (60s unless --requests)")
+    g.add_argument("--requests", type=_positive_int, help="measured requests per level (instead of --duration)")
+    g.add_argument("--repeats", type=_positive_int, default=1, help="repeat the whole sweep N times (1)")
+    g.add_argument("--seed", type=int, default=0, help="prompt, length and arrival seed (0)")
+    g.add_argument("--max-inflight", type=_positive_int, default=20_000, help="open-loop cap on streams in flight")
+    g.add_argument("--workers", type=_positive_int, default=1, help="client processes on this host (1)")
+    g = p.add_argument_group("requests")
+    g.add_argument("--input-tokens", default="1024", metavar="DIST", help="N | uniform:a,b | normal:m,sd | lognormal:m,sd")
+    g.add_argument("--output-tokens", default="256", metavar="DIST", help="same forms; forced with max_tokens+ignore_eos")
+    g.add_argument("--dataset", metavar="FILE.jsonl", help="rows with 'prompt' or 'messages' (+ optional output_tokens)")
+    g.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer.json: exact prompt token counts")
+    g.add_argument("--prefix-tokens", type=int, default=0, help="shared prefix length per group (0: none)")
+    g.add_argument("--prefix-groups", type=int, default=0, help="number of shared-prefix groups")
+    g.add_argument("--no-unique-prefix", action="store_true",
+                   help="do not make prompts unique per run/level (lets a prompt cache hit across runs)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    g.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    g.add_argument("--slo", metavar="SPEC", help="e.g. ttft_p95=500ms,tpot_p95=80ms,error_rate=1%%")
+    g.add_argument("--metrics-url", action="append", metavar="URL", help="server /metrics to sample each second")
+    g.add_argument("--arm", help="arm name for A/B (stored in the manifest)")
+    g.add_argument("--fixed", action="append", metavar="KEY=VALUE",
+                   help="declare a fixed variable for compare, e.g. serving.kv_offload=host (repeatable)")
+    g.add_argument("--record-text", action="store_true", help="store generated text in each record")
+    g.add_argument("--quiet", action="store_true", help="no live progress")
+    g.add_argument("--json", action="store_true", help="print summary.json at the end")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _levels(text: str, what: str, integer: bool) -> tuple[float, ...]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part) if integer else float(part)
+        except ValueError:
+            raise InputError(f"{what}: {part!r} is not a {'whole number' if integer else 'number'}") from None
+        if v <= 0:
+            raise InputError(f"{what}: levels must be positive, got {part!r}")
+        out.append(v)
+    if not out:
+        raise InputError(f"{what}: give at least one level")
+    return tuple(out)
+
+
+def _bench_config(a: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    from kvcap.analysis.slo import parse_slo
+    from kvcap.loadgen.bench import BenchConfig
+    from kvcap.loadgen.client import Target
+    from kvcap.loadgen.runner import LoadPlan
+    from kvcap.specs.scenario import parse_set
+    from kvcap.units import parse_duration
+    from kvcap.workload.arrivals import parse_arrival
+    from kvcap.workload.lengths import parse_length
+    from kvcap.workload.trace import read_trace
+
+    if not a.url.startswith(("http://", "https://")):
+        raise InputError(f"--url must start with http:// or https://, got {a.url!r}")
+    headers: dict[str, str] = {}
+    for h in a.header or []:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise InputError(f"--header expects NAME:VALUE, got {h!r}")
+        headers[name.strip()] = value.strip()
+    key = a.api_key or os.environ.get("KVCAP_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    extra: dict[str, Any] = {}
+    if a.extra_body:
+        try:
+            extra = json.loads(a.extra_body)
+        except json.JSONDecodeError:
+            raise InputError("--extra-body is not valid JSON") from None
+        if not isinstance(extra, dict):
+            raise InputError("--extra-body must be a JSON object")
+    timeout = parse_duration(a.timeout, "--timeout")
+    if timeout <= 0:
+        raise InputError("--timeout must be positive")
+    target = Target(url=a.url, api=a.api, model=a.model, headers=headers, timeout_s=timeout,
+                    stall_timeout_s=parse_duration(a.stall_timeout, "--stall-timeout") if a.stall_timeout else None,
+                    force_length=not a.no_force_length, temperature=a.temperature, extra_body=extra)
+    parse_arrival(a.arrival)
+    if a.concurrency:
+        mode, levels = "concurrency", _levels(a.concurrency, "--concurrency", True)
+    elif a.rate:
+        mode, levels = "rate", _levels(a.rate, "--rate", False)
+    else:
+        mode, levels = "trace", (a.trace_speed,)
+    duration = parse_duration(a.duration, "--duration") if a.duration else (None if a.requests else 60.0)
+    if duration is not None and duration <= 0:
+        raise InputError("--duration must be positive")
+    trace = tuple(read_trace(a.trace)) if a.trace else ()
+    plan = LoadPlan(mode=mode, levels=levels, warmup_s=parse_duration(a.warmup, "--warmup"), duration_s=duration,
+                    requests=a.requests, repeats=a.repeats, arrival=a.arrival, seed=a.seed,
+                    max_inflight=a.max_inflight, drain_timeout_s=timeout, trace=trace, trace_speed=a.trace_speed)
+    if a.prefix_tokens < 0 or a.prefix_groups < 0 or (a.prefix_tokens > 0) != (a.prefix_groups > 0):
+        raise InputError("--prefix-tokens and --prefix-groups go together and must be positive")
+    fixed = parse_set(a.fixed)
+    return BenchConfig(target=target, plan=plan, out=Path(a.out), input_dist=parse_length(a.input_tokens, "--input-tokens"),
+                       output_dist=parse_length(a.output_tokens, "--output-tokens"), tokenizer=a.tokenizer,
+                       dataset=a.dataset, prefix_tokens=a.prefix_tokens, prefix_groups=a.prefix_groups,
+                       unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
+                       slo=parse_slo(a.slo), workers=a.workers, overwrite=a.overwrite, arm=a.arm, fixed=fixed,
+                       record_text=a.record_text)
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from kvcap.loadgen.bench import run_bench
+    from kvcap.report.console import render_levels
+    from kvcap.report.live import RichProgress
+
+    cfg = _bench_config(a)
+    if cfg.dataset:
+        from kvcap.workload.prompts import load_dataset
+
+        load_dataset(cfg.dataset)
+    if cfg.tokenizer:
+        from kvcap.workload.prompts import TokenCounter
+
+        TokenCounter(cfg.tokenizer)
+
+    async def main() -> dict:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        hits = {"n": 0}
+
+        def on_signal() -> None:
+            hits["n"] += 1
+            stop.set()
+            if hits["n"] == 1:
+                print("kvcap bench: stopping — cancelling in-flight requests, writing the summary "
+                      "(Ctrl-C again to abort)", file=sys.stderr)
+            else:
+                os._exit(130)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        quiet = a.quiet or a.json or not sys.stderr.isatty()
+        if quiet:
+            return await run_bench(cfg, None, stop)
+        with RichProgress() as progress:
+            return await run_bench(cfg, progress, stop)
+
+    summary = asyncio.run(main())
+    if a.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        render_levels(summary, title=f"kvcap bench → {cfg.out}")
+    return 130 if summary.get("interrupted") else 0
+
+
 # ---------------------------------------------------------------- shared helpers
 
 def _positive_int(text: str) -> int:
@@ -172,7 +375,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,10 +10,10 @@ from kvcap.units import format_bandwidth, format_size
 
 
 def make_console() -> Console:
-    """A console at least 110 columns wide when output is not a terminal (tables stay readable in files)."""
+    """A console at least 160 columns wide when output is not a terminal (tables stay readable in files)."""
     con = Console()
     if not con.is_terminal:
-        con = Console(width=max(con.width, 110))
+        con = Console(width=max(con.width, 160))
     return con
 
 
@@ -85,3 +85,40 @@ def render_plan(r: PlanResult, console: Console | None = None) -> None:
         con.print("\n[bold yellow]Warnings[/bold yellow]")
         for w in r.warnings:
             con.print(f"  [yellow]![/yellow] {w}")
+
+
+def _ms(d: dict | None, q: str) -> str:
+    v = (d or {}).get(q)
+    return "–" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def render_levels(summary: dict, console: Console | None = None, title: str = "Per-level results") -> None:
+    """One row per level: counts, throughput, TTFT/TPOT/ITL/E2E p50/p95/p99, queue, SLO verdict."""
+    con = console or make_console()
+    t = Table(title=title, title_justify="left")
+    for col in ("level", "req", "ok", "err", "out tok/s", "TTFT p50/95/99 ms", "TPOT p50/95/99 ms",
+                "ITL p50/95/99 ms", "E2E p50/95/99 ms", "queue p95", "SLO"):
+        t.add_column(col, justify="left" if col in ("level", "SLO") else "right")
+    for lv in summary.get("levels", []):
+        mode = {"concurrency": "c", "rate": "λ", "trace": "trace×"}.get(lv["mode"], lv["mode"])
+        level = f"{mode}={lv['level']:g}"
+        if lv.get("achieved_rate") is not None:
+            level += f" (got {lv['achieved_rate']:.2f}/s)"
+        trio = {m: "/".join(_ms(lv.get(f"{m}_ms"), q) for q in ("p50", "p95", "p99"))
+                for m in ("ttft", "tpot", "itl", "e2e")}
+        slo = "–" if not summary.get("slo") else ("pass" if lv["slo_ok"] else "FAIL " + ",".join(lv["failed_checks"]))
+        t.add_row(level, str(lv["requests"]), str(lv["ok"]), str(lv["errors"]), f"{lv['output_tok_s']:.1f}",
+                  trio["ttft"], trio["tpot"], trio["itl"], trio["e2e"], _ms(lv.get("queue_ms"), "p95"), slo)
+    con.print(t)
+    errs = {k: v for lv in summary.get("levels", []) for k, v in lv.get("error_classes", {}).items()}
+    if errs:
+        con.print("errors by class: " + ", ".join(f"{k} {v}" for k, v in sorted(errs.items())))
+    cap = summary.get("capacity") or {}
+    if summary.get("slo"):
+        con.print(f"effective capacity {cap.get('effective')} · stress limit {cap.get('stress_limit')} · resident "
+                  f"{cap.get('resident')} ({cap.get('resident_source') or 'no telemetry'})"
+                  + (f" · limited by {cap['limited_by']}" if cap.get("limited_by") else ""))
+    for w in (summary.get("client") or {}).get("warnings", []):
+        con.print(f"[yellow]! {w}[/yellow]")
+    if summary.get("interrupted"):
+        con.print("[yellow]interrupted: the summary covers the requests that finished[/yellow]")

@@ -1,0 +1,1 @@
+"""From records to judgement: per-level statistics, SLO checks, capacities, verdict, diagnosis."""

@@ -1,0 +1,297 @@
+"""``kvcap bench``: assemble one run — probe the server, write the manifest, drive the load (in this process or
+in worker processes), sample server metrics, and summarise what finished (also after SIGINT)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvcap import __version__
+from kvcap.analysis.summary import build_summary
+from kvcap.loadgen.client import Target
+from kvcap.loadgen.runner import LoadPlan, NoProgress, Progress, Runner, make_session
+from kvcap.rundir import SUMMARY, RunDir, RunWriter, write_json_atomic
+from kvcap.telemetry.scrape import MetricsSampler
+from kvcap.workload.lengths import LengthDist
+from kvcap.workload.prompts import PromptFactory, TokenCounter, load_dataset
+
+
+@dataclass
+class BenchConfig:
+    """Everything one ``bench`` run needs; the fixed variables of the manifest come from here."""
+
+    target: Target
+    plan: LoadPlan
+    out: Path
+    input_dist: LengthDist
+    output_dist: LengthDist
+    tokenizer: str | None = None
+    dataset: str | None = None
+    prefix_tokens: int = 0
+    prefix_groups: int = 0
+    unique_prefix: bool = True
+    metrics_urls: list[str] = field(default_factory=list)
+    slo: dict[str, float] = field(default_factory=dict)
+    workers: int = 1
+    overwrite: bool = False
+    arm: str | None = None
+    fixed: dict[str, Any] = field(default_factory=dict)
+    record_text: bool = False
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+async def probe_server(target: Target) -> dict[str, Any]:
+    """Best-effort facts about the server for the manifest: models, version, engine, llama.cpp props."""
+    base = target.url.rstrip("/")
+    for suffix in ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions", "/v1"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    info: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout, headers=target.headers) as s:
+        for path in ("/v1/models", "/version", "/props"):
+            try:
+                async with s.get(base + path) as r:
+                    if r.status != 200:
+                        continue
+                    if "server" not in info and r.headers.get("Server"):
+                        info["server_header"] = r.headers["Server"]
+                    data = await r.json(content_type=None)
+            except Exception:
+                continue
+            if path == "/v1/models" and isinstance(data, dict):
+                models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+                info["models"] = models
+                first = (data.get("data") or [{}])[0]
+                if isinstance(first, dict) and first.get("max_model_len"):
+                    info["max_model_len"] = first["max_model_len"]
+                if isinstance(first, dict) and first.get("owned_by"):
+                    info["owned_by"] = first["owned_by"]
+            elif path == "/version" and isinstance(data, dict):
+                info["version"] = data.get("version")
+            elif path == "/props" and isinstance(data, dict):
+                info["engine"] = "llama.cpp"
+                info["version"] = info.get("version") or data.get("build_info")
+                info["total_slots"] = data.get("total_slots")
+                gen = data.get("default_generation_settings") or {}
+                info["n_ctx"] = gen.get("n_ctx") or data.get("n_ctx")
+    owned = str(info.get("owned_by", ""))
+    if "engine" not in info:
+        info["engine"] = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}.get(owned, owned or "unknown")
+    return info
+
+
+def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, started: float) -> dict[str, Any]:
+    t = cfg.target
+    fixed: dict[str, Any] = {
+        "target.url": t.endpoint, "target.api": t.api, "model.name": t.model,
+        "server.engine": server.get("engine"), "server.version": server.get("version"),
+        "workload.input_tokens": cfg.input_dist.spec if cfg.dataset is None else None,
+        "workload.output_tokens": cfg.output_dist.spec,
+        "workload.dataset": cfg.dataset, "workload.prefix_tokens": cfg.prefix_tokens,
+        "workload.prefix_groups": cfg.prefix_groups, "workload.unique_prefix": cfg.unique_prefix,
+        "workload.prompt_set": factory.identity(), "workload.tokenizer": Path(cfg.tokenizer).name if cfg.tokenizer else None,
+        "decoding.temperature": t.temperature, "decoding.force_length": t.force_length,
+        "decoding.extra_body": t.extra_body or None,
+        "timeouts.request": t.timeout_s, "timeouts.stall": t.stall_timeout_s,
+        "client.host": socket.gethostname(), "client.workers": cfg.workers,
+        **cfg.plan.manifest(), **cfg.fixed,
+    }
+    return {
+        "tool": "kvcap", "tool_version": __version__, "source": "bench", "arm": cfg.arm, "run_id": cfg.run_id,
+        "started_at": started, "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
+                                       "python": platform.python_version(), "cpus": os.cpu_count()},
+        "server": server, "slo": cfg.slo, "fixed": fixed,
+        "header_names": sorted(t.headers),  # names only: values (API keys) are never written
+    }
+
+
+def _factory(cfg: BenchConfig, counter: TokenCounter) -> PromptFactory:
+    dataset = load_dataset(cfg.dataset) if cfg.dataset else None
+    return PromptFactory(seed=cfg.plan.seed, input_dist=cfg.input_dist, output_dist=cfg.output_dist,
+                         counter=counter, prefix_tokens=cfg.prefix_tokens, prefix_groups=cfg.prefix_groups,
+                         unique_prefix=cfg.unique_prefix, run_id=cfg.run_id, dataset=dataset)
+
+
+async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: asyncio.Event | None = None,
+                    extra_sampler_urls: list[str] | None = None) -> dict[str, Any]:
+    """Run the whole sweep; returns the summary (also written to ``summary.json``)."""
+    counter = TokenCounter(cfg.tokenizer)
+    factory = _factory(cfg, counter)
+    writer = RunWriter(cfg.out, overwrite=cfg.overwrite)
+    server = await probe_server(cfg.target)
+    if cfg.target.model is None and server.get("models"):
+        cfg.target = replace(cfg.target, model=server["models"][0])
+    started = time.time()
+    writer.manifest(_manifest(cfg, server, factory, started))
+    origin = time.perf_counter()
+    stop = stop or asyncio.Event()
+    client_stats: list[dict[str, Any]] = []
+    interrupted = False
+    session = make_session()
+    sampler = MetricsSampler(cfg.metrics_urls + (extra_sampler_urls or []), writer.telemetry,
+                             clock=lambda: time.perf_counter() - origin)
+    try:
+        if sampler.urls:
+            sampler.start(session)
+        if cfg.workers <= 1:
+            runner = Runner(target=cfg.target, plan=cfg.plan, factory=factory, sink=writer, counter=counter,
+                            progress=progress or NoProgress(), origin=origin, stop=stop,
+                            keep_texts=cfg.record_text)
+            await runner.run(session)
+            client_stats = runner.client_stats
+            interrupted = runner.interrupted or stop.is_set()
+        else:
+            client_stats, interrupted = await _run_workers(cfg, writer, progress or NoProgress(), origin, stop)
+    finally:
+        if sampler.urls:
+            await sampler.stop(session)
+        await session.close()
+        writer.close()
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo)
+    summary["interrupted"] = interrupted
+    summary["client"] = _client_summary(client_stats)
+    summary["telemetry_samples"] = sampler.samples
+    write_json_atomic(cfg.out / SUMMARY, summary)
+    return summary
+
+
+def _client_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    if not stats:
+        return {"warnings": []}
+    warnings = sorted({w for s in stats for w in s.get("warnings", [])})
+    return {"loop_lag_p99_ms_max": max(s["loop_lag_p99_ms"] for s in stats),
+            "loop_lag_max_ms": max(s["loop_lag_max_ms"] for s in stats),
+            "cpu_fraction_max": max(s["cpu_fraction"] for s in stats), "warnings": warnings}
+
+
+# ---------------------------------------------------------------- worker processes
+
+def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, barrier: Any, stop_flag: Any) -> None:
+    """A worker process: its share of every level, records sent to the parent, SIGINT left to the parent."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    class QueueSink:
+        def record(self, rec: dict[str, Any]) -> None:
+            records.put(("record", rec))
+
+        def level(self, info: dict[str, Any]) -> None:
+            records.put(("level", info))
+
+    async def main() -> None:
+        counter = TokenCounter(cfg.tokenizer)
+        factory = _factory(cfg, counter)
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop_flag.is_set():
+                await asyncio.sleep(0.1)
+            stop.set()
+
+        watcher = asyncio.create_task(watch())
+        session = make_session()
+        loop = asyncio.get_running_loop()
+        try:
+            for repeat in range(cfg.plan.repeats):
+                for level in cfg.plan.levels:
+                    await loop.run_in_executor(None, barrier.wait)
+                    if stop.is_set():
+                        return
+                    one = replace(cfg.plan, levels=(level,), repeats=1)
+                    runner = Runner(target=cfg.target, plan=one, factory=factory, sink=QueueSink(), counter=counter,
+                                    worker=w, workers=cfg.workers, origin=origin, stop=stop,
+                                    keep_texts=cfg.record_text)
+                    await runner._level(session, level, repeat)
+        finally:
+            watcher.cancel()
+            await session.close()
+            records.put(("done", w))
+
+    asyncio.run(main())
+
+
+async def _run_workers(cfg: BenchConfig, writer: RunWriter, progress: Progress, origin: float,
+                       stop: asyncio.Event) -> tuple[list[dict[str, Any]], bool]:
+    """Spread each level over ``cfg.workers`` processes on this host (perf_counter is system-wide monotonic)."""
+    ctx = mp.get_context("spawn")
+    records: mp.Queue = ctx.Queue()
+    barrier = ctx.Barrier(cfg.workers)
+    stop_flag = ctx.Event()
+    procs = [ctx.Process(target=_worker_main, args=(cfg, w, origin, records, barrier, stop_flag), daemon=True)
+             for w in range(cfg.workers)]
+    for p in procs:
+        p.start()
+    pending_levels: dict[tuple[float, int], list[dict[str, Any]]] = {}
+    client_stats: list[dict[str, Any]] = []
+    done = 0
+    level_started: set[tuple[float, int]] = set()
+    loop = asyncio.get_running_loop()
+    while done < cfg.workers:
+        if stop.is_set():
+            stop_flag.set()
+            barrier.abort()
+        try:
+            kind, payload = await loop.run_in_executor(None, lambda: records.get(timeout=0.2))
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        if kind == "record":
+            key = (payload["level"], payload["repeat"])
+            if key not in level_started:
+                level_started.add(key)
+                progress.level_start(cfg.plan.mode, payload["level"], payload["repeat"],
+                                     (cfg.plan.warmup_s + cfg.plan.duration_s) if cfg.plan.duration_s else None)
+            writer.record(payload)
+            progress.on_record(payload)
+        elif kind == "level":
+            key = (payload["level"], payload["repeat"])
+            pending_levels.setdefault(key, []).append(payload)
+            client_stats.append(payload["client"])
+            if len(pending_levels[key]) == cfg.workers:
+                merged = merge_level_infos(pending_levels.pop(key))
+                writer.level(merged)
+                progress.level_end(merged)
+        elif kind == "done":
+            done += 1
+    for infos in pending_levels.values():
+        writer.level(merge_level_infos(infos))
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    return client_stats, stop.is_set()
+
+
+def merge_level_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level line from the workers' lines: the widest window, summed counts, each worker's client stats."""
+    first = dict(infos[0])
+    first["measure_start_s"] = min(i["measure_start_s"] for i in infos)
+    first["measure_end_s"] = max(i["measure_end_s"] for i in infos)
+    first["t_start_s"] = min(i["t_start_s"] for i in infos)
+    first["t_end_s"] = max(i["t_end_s"] for i in infos)
+    first["sent_measured"] = sum(i.get("sent_measured", 0) for i in infos)
+    if all(i.get("achieved_rate") is not None for i in infos):
+        first["achieved_rate"] = round(sum(i["achieved_rate"] for i in infos), 4)
+    first["late_sends"] = sum(i.get("late_sends", 0) for i in infos)
+    first["workers"] = len(infos)
+    first["client"] = {"per_worker": [i["client"] for i in infos],
+                       "warnings": sorted({w for i in infos for w in i["client"].get("warnings", [])})}
+    first.pop("worker", None)
+    first.pop("concurrency_this_worker", None)
+    first["interrupted"] = any(i.get("interrupted") for i in infos)
+    return first

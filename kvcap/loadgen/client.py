@@ -1,0 +1,287 @@
+"""One streaming request to an OpenAI-compatible endpoint, timed at each received SSE event.
+
+Why it is written the way it is:
+- the clock (``time.perf_counter``, monotonic) is read once per received network chunk, before parsing, so
+  parsing cost never inflates a latency; events that arrived in one chunk honestly share a timestamp;
+- latency counts from the *scheduled* start the caller passes in (open loop: no coordinated omission);
+- the first *content* token ends TTFT (a chat stream's role-only first chunk does not);
+- a multi-token event contributes one ITL per token (its gap split evenly), so len(itl) = N − 1;
+- failures are classified per request and never raise into the runner (except cancellation, re-raised after
+  the record is handed over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvcap.workload.prompts import RequestSpec, TokenCounter
+
+ERROR_CLASSES = ("http_4xx", "http_5xx", "timeout", "connection", "malformed_stream", "server_error_in_stream",
+                 "cancelled")
+READ_BUFSIZE = 1 << 21
+"""aiohttp's default 64 KiB read buffer throttles long streams; 2 MiB keeps reads whole."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to send: endpoint URL, API flavour, model, headers, decoding params, timeouts."""
+
+    url: str
+    api: str = "completions"
+    model: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 120.0
+    stall_timeout_s: float | None = None
+    force_length: bool = True
+    temperature: float = 0.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> str:
+        return endpoint_url(self.url, self.api)
+
+
+def endpoint_url(url: str, api: str) -> str:
+    """``http://h:8000`` or ``…/v1`` → ``…/v1/completions`` (or chat); a full endpoint path is kept."""
+    u = url.rstrip("/")
+    if u.endswith("/completions"):
+        return u
+    if u.endswith("/v1"):
+        u = u[:-3]
+    return f"{u}/v1/chat/completions" if api == "chat" else f"{u}/v1/completions"
+
+
+def request_body(target: Target, req: RequestSpec) -> dict[str, Any]:
+    body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True},
+                            "max_tokens": req.output_tokens, "temperature": target.temperature}
+    if target.model:
+        body["model"] = target.model
+    if target.force_length:  # vLLM/SGLang/llama.cpp honour these; others ignore unknown fields
+        body["ignore_eos"] = True
+        body["min_tokens"] = req.output_tokens
+    if target.api == "chat":
+        body["messages"] = req.messages or [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    body.update(target.extra_body)
+    return body
+
+
+@dataclass
+class Outcome:
+    """What came back for one request, in seconds since the run's clock origin."""
+
+    t_sched: float
+    t_sent: float = 0.0
+    t_first: float | None = None
+    t_last: float | None = None
+    event_times: list[float] = field(default_factory=list)
+    event_chars: list[int] = field(default_factory=list)
+    event_texts: list[str] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    status: int | None = None
+    error: str | None = None
+    detail: str | None = None
+    retries: int = 0
+    done: bool = False
+
+
+def _split_tokens(chars: list[int], texts: list[str], total: int, counter: TokenCounter | None) -> list[int]:
+    """Tokens per content event, summing to ``total`` (usage) — by tokenizer counts or by characters."""
+    n = len(chars)
+    if n == 0:
+        return []
+    if total == n:
+        return [1] * n
+    if counter is not None and counter.exact:
+        weights = [max(1, counter.count(t)) for t in texts]
+    else:
+        weights = [max(1, c) for c in chars]
+    if total < n:  # fewer tokens than events (e.g. empty-text events): one each, cut at the end
+        return [1] * total + [0] * (n - total)
+    base = [1] * n
+    extra = total - n
+    wsum = float(sum(weights))
+    share = [extra * w / wsum for w in weights]
+    floors = [int(s) for s in share]
+    left = extra - sum(floors)
+    order = sorted(range(n), key=lambda i: share[i] - floors[i], reverse=True)
+    for i in order[:left]:
+        floors[i] += 1
+    return [b + f for b, f in zip(base, floors)]
+
+
+def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, keep_texts: bool = False) -> dict[str, Any]:
+    """Per-request record (DESIGN.md field names); times in ms from the scheduled start."""
+    usage = o.usage or {}
+    n_events = len(o.event_times)
+    if usage.get("completion_tokens") is not None:
+        n_out, source = int(usage["completion_tokens"]), "usage"
+    elif counter is not None and counter.exact:
+        n_out, source = sum(max(1, counter.count(t)) for t in o.event_texts), "counted"
+    else:
+        n_out, source = n_events, "counted"
+    per_event = _split_tokens(o.event_chars, o.event_texts, n_out, counter)
+    itl: list[float] = []
+    if n_events:
+        itl.extend([0.0] * max(0, per_event[0] - 1))
+        for j in range(1, n_events):
+            k = per_event[j]
+            if k:
+                gap = (o.event_times[j] - o.event_times[j - 1]) * 1e3 / k
+                itl.extend([gap] * k)
+    ok = o.error is None and o.done
+    error = o.error if o.error else (None if o.done else "malformed_stream")
+    ttft = (o.t_first - o.t_sched) * 1e3 if o.t_first is not None else None
+    e2e = (o.t_last - o.t_sched) * 1e3 if o.t_last is not None and ok else None
+    tpot = None
+    if ok and ttft is not None and e2e is not None and n_out > 1:
+        tpot = (e2e - ttft) / (n_out - 1)
+    finish = o.finish_reason
+    rec: dict[str, Any] = {
+        "index": req.index, "start_s": round(o.t_sched, 6), "send_delay_ms": round((o.t_sent - o.t_sched) * 1e3, 3),
+        "ok": ok, "error": error, "status": o.status,
+        "input_tokens": int(usage.get("prompt_tokens") or req.input_tokens),
+        "output_tokens": n_out, "requested_output_tokens": req.output_tokens, "tokens_source": source,
+        "ttft_ms": _r(ttft), "tpot_ms": _r(tpot), "e2e_ms": _r(e2e),
+        "itl_ms": [round(x, 3) for x in itl], "queue_ms": None,
+        "finish_reason": finish,
+        "truncated": bool(ok and n_out < req.output_tokens and finish == "length"),
+        "early_stop": bool(ok and n_out < req.output_tokens and finish == "stop"),
+        "retries": o.retries, "group": req.group,
+    }
+    if o.detail:
+        rec["error_detail"] = o.detail[:300]
+    if keep_texts:
+        rec["text"] = "".join(o.event_texts)
+    return rec
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def classify_exception(exc: BaseException) -> str:
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return "http_5xx" if exc.status >= 500 else "http_4xx"
+    return "connection"
+
+
+_RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+async def stream_request(session: aiohttp.ClientSession, target: Target, req: RequestSpec, o: Outcome,
+                         clock: Callable[[], float]) -> Outcome:
+    """Send one streaming request and time every event into ``o``.
+
+    Never raises except CancelledError; then ``o`` (which the caller holds) is marked ``cancelled``.
+    """
+    body = json.dumps(request_body(target, req))
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream", **target.headers}
+    timeout = aiohttp.ClientTimeout(total=target.timeout_s, sock_read=target.stall_timeout_s)
+    chat = target.api == "chat"
+    try:
+        while True:
+            o.t_sent = clock()
+            try:
+                resp = await session.post(target.endpoint, data=body, headers=headers, timeout=timeout)
+                break
+            except _RETRYABLE as exc:
+                # a pooled connection the server had closed (llama.cpp says Keep-Alive, then closes): the request
+                # never reached it, so one retry is safe; latency still counts from the scheduled start
+                if o.retries >= 1:
+                    raise
+                o.retries += 1
+                o.detail = f"retried after {type(exc).__name__}"
+        async with resp:
+            o.status = resp.status
+            if resp.status >= 400:
+                text = (await resp.text(errors="replace"))[:300]
+                o.error = "http_5xx" if resp.status >= 500 else "http_4xx"
+                o.detail = f"HTTP {resp.status}: {text}"
+                o.t_last = clock()
+                return o
+            await _read_events(resp, o, chat, clock)
+    except asyncio.CancelledError:
+        o.error = o.error or "cancelled"
+        o.t_last = clock()
+        raise
+    except Exception as exc:
+        if o.error is None:
+            o.error = classify_exception(exc)
+            o.detail = f"{type(exc).__name__}: {exc}"[:300]
+        o.t_last = clock()
+    return o
+
+
+async def _read_events(resp: aiohttp.ClientResponse, o: Outcome, chat: bool, clock: Callable[[], float]) -> None:
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        now = clock()
+        o.t_last = now
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n")
+        buf += chunk
+        while True:
+            cut = buf.find(b"\n\n")
+            if cut < 0:
+                break
+            event, buf = buf[:cut], buf[cut + 2:]
+            if _handle_event(event, o, chat, now):
+                return
+
+
+def _handle_event(event: bytes, o: Outcome, chat: bool, now: float) -> bool:
+    """Parse one SSE event; returns True when the stream is over (done or failed)."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue  # comments (": ping"), event:/id: lines
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            o.done = True
+            return True
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            o.error, o.detail = "malformed_stream", f"bad JSON in event: {payload[:120]!r}"
+            return True
+        if not isinstance(obj, dict):
+            o.error, o.detail = "malformed_stream", f"event is not an object: {payload[:120]!r}"
+            return True
+        if obj.get("error") is not None:
+            err = obj["error"]
+            o.error = "server_error_in_stream"
+            o.detail = json.dumps(err)[:300] if not isinstance(err, str) else err[:300]
+            return True
+        if obj.get("usage"):
+            o.usage = obj["usage"]
+        for choice in obj.get("choices") or ():
+            if chat:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or delta.get("reasoning_content") or ""
+            else:
+                text = choice.get("text") or ""
+            if text:
+                if o.t_first is None:
+                    o.t_first = now
+                o.event_times.append(now)
+                o.event_chars.append(len(text))
+                o.event_texts.append(text)
+            if choice.get("finish_reason"):
+                o.finish_reason = choice["finish_reason"]
+    return False
+
+
+def wall_clock_origin() -> tuple[float, float]:
+    """(perf_counter, time.time) taken together: run-relative monotonic times can be placed on the wall clock."""
+    return time.perf_counter(), time.time()

@@ -1,0 +1,292 @@
+"""Load models: closed loop (fixed concurrency), open loop (fixed arrival rate), trace replay.
+
+Each level runs warm-up → measured window → drain. Requests are tagged by the phase in which they were
+*scheduled*; a level's windows go to ``levels.jsonl`` so throughput is counted over the steady state. Open-loop
+arrivals are fixed in advance on absolute times and latency counts from the scheduled time, so a client or
+server that falls behind shows up as latency, never as a silently lower rate (no coordinated omission).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import aiohttp
+
+from kvcap.loadgen.client import READ_BUFSIZE, Outcome, Target, stream_request, to_record
+from kvcap.loadgen.monitor import LoopMonitor
+from kvcap.workload.arrivals import arrival_offsets, parse_arrival
+from kvcap.workload.prompts import PromptFactory, RequestSpec, TokenCounter
+from kvcap.workload.trace import TraceRow
+
+Mode = Literal["concurrency", "rate", "trace"]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What to offer: the levels of one load model, their phases, repeats and the seed."""
+
+    mode: Mode
+    levels: tuple[float, ...]
+    warmup_s: float = 10.0
+    duration_s: float | None = 60.0
+    requests: int | None = None
+    repeats: int = 1
+    arrival: str = "poisson"
+    seed: int = 0
+    max_inflight: int = 20_000
+    drain_timeout_s: float = 120.0
+    trace: tuple[TraceRow, ...] = ()
+    trace_speed: float = 1.0
+
+    def manifest(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"load.mode": self.mode, f"load.{self.mode}": list(self.levels),
+                             "load.warmup": self.warmup_s, "load.duration": self.duration_s,
+                             "load.requests": self.requests, "load.repeats": self.repeats, "load.seed": self.seed}
+        if self.mode == "rate":
+            d["load.arrival"] = self.arrival
+        if self.mode == "trace":
+            d["load.trace_speed"] = self.trace_speed
+            d["load.trace_requests"] = len(self.trace)
+        return d
+
+
+class Sink(Protocol):
+    def record(self, rec: dict[str, Any]) -> None: ...
+    def level(self, info: dict[str, Any]) -> None: ...
+
+
+class Progress(Protocol):
+    def level_start(self, mode: str, level: float, repeat: int, expected_s: float | None) -> None: ...
+    def on_record(self, rec: dict[str, Any]) -> None: ...
+    def level_end(self, info: dict[str, Any]) -> None: ...
+
+
+class NoProgress:
+    def level_start(self, mode: str, level: float, repeat: int, expected_s: float | None) -> None:
+        pass
+
+    def on_record(self, rec: dict[str, Any]) -> None:
+        pass
+
+    def level_end(self, info: dict[str, Any]) -> None:
+        pass
+
+
+def make_session(limit: int = 0) -> aiohttp.ClientSession:
+    """One pooled session: unlimited connections (a pool cap would under-fill the server's batch), big reads."""
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, ttl_dns_cache=300, enable_cleanup_closed=True,
+                                     keepalive_timeout=30)
+    return aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFSIZE, auto_decompress=False,
+                                 timeout=aiohttp.ClientTimeout(total=None))
+
+
+@dataclass
+class Runner:
+    """Drives one worker's share of a load plan against a target, handing each record to the sink."""
+
+    target: Target
+    plan: LoadPlan
+    factory: PromptFactory
+    sink: Sink
+    counter: TokenCounter | None = None
+    progress: Progress = field(default_factory=NoProgress)
+    worker: int = 0
+    workers: int = 1
+    keep_texts: bool = False
+    origin: float = field(default_factory=time.perf_counter)
+    stop: asyncio.Event | None = None
+    client_stats: list[dict[str, Any]] = field(default_factory=list)
+    interrupted: bool = False
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def _stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        if self.stop is None:
+            self.stop = asyncio.Event()
+        for repeat in range(self.plan.repeats):
+            for level in self.plan.levels:
+                if self._stopped():
+                    self.interrupted = True
+                    return
+                await self._level(session, level, repeat)
+
+    async def _level(self, session: aiohttp.ClientSession, level: float, repeat: int) -> None:
+        p = self.plan
+        expected = (p.warmup_s + p.duration_s) if p.duration_s is not None else None
+        self.progress.level_start(p.mode, level, repeat, expected)
+        monitor = LoopMonitor()
+        monitor.start()
+        t_start = self.clock()
+        if p.mode == "concurrency":
+            info = await self._closed(session, int(level), repeat, t_start)
+        else:
+            info = await self._open(session, level, repeat, t_start)
+        client = await monitor.stop()
+        info.update({"mode": p.mode, "level": level, "repeat": repeat, "worker": self.worker,
+                     "t_start_s": round(t_start, 6), "t_end_s": round(self.clock(), 6), "client": client,
+                     "interrupted": self._stopped()})
+        self.client_stats.append(client)
+        self.sink.level(info)
+        self.progress.level_end(info)
+
+    async def _send(self, session: aiohttp.ClientSession, req: RequestSpec, t_sched: float, tags: dict[str, Any]) -> None:
+        o = Outcome(t_sched=t_sched)
+        try:
+            await stream_request(session, self.target, req, o, self.clock)
+        except asyncio.CancelledError:
+            o.error = o.error or "cancelled"
+            self._emit(o, req, tags)
+            raise
+        self._emit(o, req, tags)
+
+    def _emit(self, o: Outcome, req: RequestSpec, tags: dict[str, Any]) -> None:
+        rec = {**tags, **to_record(o, req, self.counter, self.keep_texts)}
+        self.sink.record(rec)
+        self.progress.on_record(rec)
+
+    # ---------------------------------------------------------------- closed loop
+    async def _closed(self, session: aiohttp.ClientSession, concurrency: int, repeat: int, t_start: float) -> dict:
+        p = self.plan
+        share = [concurrency // self.workers + (1 if w < concurrency % self.workers else 0) for w in range(self.workers)]
+        mine = share[self.worker]
+        measure_start = t_start + p.warmup_s
+        measure_end = measure_start + p.duration_s if p.duration_s is not None else math.inf
+        quota = None if p.requests is None else p.requests // self.workers + (
+            1 if self.worker < p.requests % self.workers else 0)
+        indices = itertools.count(self.worker, self.workers)
+        state = {"measured": 0, "stop_issuing_at": None}
+        tags_base = {"mode": "concurrency", "level": concurrency, "repeat": repeat, "worker": self.worker}
+
+        async def user() -> None:
+            while not self._stopped():
+                now = self.clock()
+                if now >= measure_end or (quota is not None and state["measured"] >= quota):
+                    if state["stop_issuing_at"] is None:
+                        state["stop_issuing_at"] = now
+                    return
+                phase = "warmup" if now < measure_start else "measure"
+                if phase == "measure":
+                    state["measured"] += 1
+                i = next(indices)
+                req = self.factory.request(i, level=concurrency, repeat=repeat)
+                await self._send(session, req, now, {**tags_base, "phase": phase})
+
+        tasks = [asyncio.create_task(user()) for _ in range(mine)]
+        await self._drain(tasks, until=measure_end if math.isfinite(measure_end) else None)
+        end = state["stop_issuing_at"] if state["stop_issuing_at"] is not None else self.clock()
+        if math.isfinite(measure_end):
+            end = min(end, measure_end)
+        return {"target": concurrency, "concurrency_this_worker": mine, "measure_start_s": round(measure_start, 6),
+                "measure_end_s": round(max(end, measure_start), 6), "sent_measured": state["measured"]}
+
+    async def _drain(self, tasks: list[asyncio.Task], until: float | None) -> None:
+        """Wait for the level's tasks; on stop or after the drain timeout, cancel what is still in flight."""
+        pending = set(tasks)
+        deadline = (until if until is not None else math.inf) + self.plan.drain_timeout_s
+        stop_wait = asyncio.create_task(self.stop.wait()) if self.stop is not None else None
+        try:
+            while pending:
+                left = deadline - self.clock()
+                if left <= 0:
+                    break
+                waiters = set(pending) | ({stop_wait} if stop_wait else set())
+                done, _ = await asyncio.wait(waiters, timeout=min(left, 3600.0), return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+                if stop_wait is not None and stop_wait in done:
+                    break
+        finally:
+            if stop_wait is not None:
+                stop_wait.cancel()
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    # ---------------------------------------------------------------- open loop and trace
+    def _schedule(self, level: float, repeat: int) -> tuple[list[float], list[Callable[[], RequestSpec]]]:
+        p = self.plan
+        if p.mode == "trace":
+            rows = list(p.trace)
+            offsets = [r.arrival_s / p.trace_speed for r in rows]
+            if p.duration_s is not None:
+                keep = [k for k, t in enumerate(offsets) if t < p.warmup_s + p.duration_s]
+                rows, offsets = [rows[k] for k in keep], [offsets[k] for k in keep]
+            if p.requests is not None:
+                n_warm = sum(1 for t in offsets if t < p.warmup_s)
+                rows, offsets = rows[: n_warm + p.requests], offsets[: n_warm + p.requests]
+            makers = [(lambda k=k, r=r: self.factory.trace_request(k, r.input_tokens, r.output_tokens, r.hash_ids,
+                                                                    level=level, repeat=repeat))
+                      for k, r in enumerate(rows)]
+            return offsets, makers
+        kind, cv = parse_arrival(p.arrival)
+        seed = (p.seed, round(level * 1000), repeat)
+        if p.requests is not None:
+            n = math.ceil(level * p.warmup_s) + p.requests
+            offs = arrival_offsets(kind, cv, level, 0.0, seed=seed, max_n=n)  # type: ignore[arg-type]
+        else:
+            offs = arrival_offsets(kind, cv, level, p.warmup_s + (p.duration_s or 0.0), seed=seed)  # type: ignore[arg-type]
+        offsets = [float(x) for x in offs]
+        makers = [(lambda k=k: self.factory.request(k, level=level, repeat=repeat)) for k in range(len(offsets))]
+        return offsets, makers
+
+    async def _open(self, session: aiohttp.ClientSession, level: float, repeat: int, t_start: float) -> dict:
+        p = self.plan
+        offsets, makers = self._schedule(level, repeat)
+        lead = 0.02
+        t0 = t_start + lead
+        measure_start = t0 + p.warmup_s
+        sem = asyncio.Semaphore(p.max_inflight)
+        tasks: list[asyncio.Task] = []
+        tags_base = {"mode": p.mode, "level": level, "repeat": repeat, "worker": self.worker}
+        sent_measured = 0
+        late = 0
+        first_measured = last_measured = None
+
+        async def one(req: RequestSpec, sched: float, phase: str) -> None:
+            try:
+                await self._send(session, req, sched, {**tags_base, "phase": phase})
+            finally:
+                sem.release()
+
+        for k, off in enumerate(offsets):
+            if k % self.workers != self.worker:
+                continue
+            if self._stopped():
+                break
+            sched = t0 + off
+            delay = sched - self.clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif delay < -0.005:
+                late += 1
+            await sem.acquire()  # a full client queues here; the latency still counts from ``sched``
+            phase = "warmup" if sched < measure_start else "measure"
+            if phase == "measure":
+                sent_measured += 1
+                first_measured = sched if first_measured is None else first_measured
+                last_measured = sched
+            tasks.append(asyncio.create_task(one(makers[k](), sched, phase)))
+        if p.duration_s is not None and p.mode == "rate":
+            measure_end = measure_start + p.duration_s
+        elif last_measured is not None:
+            measure_end = last_measured
+        else:
+            measure_end = self.clock()
+        await self._drain(tasks, until=max(measure_end, self.clock()))
+        window = max(measure_end - measure_start, 1e-9)
+        info = {"target": level, "measure_start_s": round(measure_start, 6), "measure_end_s": round(measure_end, 6),
+                "sent_measured": sent_measured, "late_sends": late,
+                "achieved_rate": round(sent_measured / window, 4) if p.mode == "rate" else None}
+        if p.mode == "trace":
+            info["trace_requests"] = len(offsets)
+        return info

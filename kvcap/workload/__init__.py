@@ -1,0 +1,1 @@
+"""Deterministic request generation: lengths, prompts, shared prefixes, datasets, traces, arrival processes."""

@@ -1,0 +1,62 @@
+"""Token-length distributions: ``1024``, ``uniform:a,b``, ``normal:mean,sd``, ``lognormal:mean,sd`` (clamped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcap.errors import InputError
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A distribution of token counts, always clamped to [lo, hi] and rounded to integers."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+    lo: int = 1
+    hi: int = 1_000_000
+
+    @property
+    def spec(self) -> str:
+        return str(int(self.a)) if self.kind == "fixed" else f"{self.kind}:{self.a:g},{self.b:g}"
+
+    @property
+    def mean(self) -> float:
+        return float(self.a) if self.kind != "uniform" else (self.a + self.b) / 2
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if self.kind == "fixed":
+            x = np.full(n, self.a)
+        elif self.kind == "uniform":
+            x = rng.integers(int(self.a), int(self.b) + 1, size=n)
+        elif self.kind == "normal":
+            x = rng.normal(self.a, self.b, size=n)
+        else:  # lognormal parameterised by its own mean and sd (not the underlying normal's)
+            sigma2 = np.log1p((self.b / self.a) ** 2)
+            x = rng.lognormal(np.log(self.a) - sigma2 / 2, np.sqrt(sigma2), size=n)
+        return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+
+
+def parse_length(text: str | int, what: str = "length", hi: int = 1_000_000) -> LengthDist:
+    s = str(text).strip()
+    kind, sep, rest = s.partition(":")
+    try:
+        if not sep:
+            n = int(s)
+            if n <= 0:
+                raise InputError(f"{what} must be a positive integer, got {s!r}")
+            return LengthDist("fixed", n, hi=max(hi, n))
+        args = [float(x) for x in rest.split(",")]
+    except ValueError:
+        raise InputError(f"cannot read {what} {s!r}: use N, uniform:a,b, normal:mean,sd or lognormal:mean,sd") from None
+    if kind not in ("uniform", "normal", "lognormal") or len(args) != 2:
+        raise InputError(f"cannot read {what} {s!r}: use N, uniform:a,b, normal:mean,sd or lognormal:mean,sd")
+    a, b = args
+    if kind == "uniform" and not 1 <= a <= b:
+        raise InputError(f"{what} {s!r}: uniform needs 1 ≤ a ≤ b")
+    if kind != "uniform" and (a <= 0 or b < 0):
+        raise InputError(f"{what} {s!r}: mean must be positive and sd not negative")
+    return LengthDist(kind, a, b, hi=hi)

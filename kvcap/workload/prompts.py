@@ -1,0 +1,215 @@
+"""Prompts that hit a target token count, the same for the same seed in every level, repeat and arm.
+
+A prompt is ``[shared group prefix][request nonce][body]``. The body depends only on (seed, request index), so
+two arms and all levels send the same prompt set (its hash goes in the manifest). The nonce depends on the run,
+level and repeat, so no server prompt cache can carry work over from one level, repeat or arm to the next —
+unless shared prefixes are asked for, which are shared on purpose (within a level), as KV offload exists for.
+
+Without a tokenizer one word counts as one token (exact for kvcap's test server, about right for BPE
+tokenizers on common English words); with a local HF ``tokenizer.json`` the count is exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcap.errors import InputError
+from kvcap.workload.lengths import LengthDist
+
+WORDS = tuple(["the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "by", "at", "be", "this", "from", "or", "have", "an", "they", "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "do", "so", "can", "what", "up", "said", "about", "other", "into", "than", "its", "time", "only", "could", "new", "them", "man", "some", "these", "then", "two", "first", "may", "any", "like", "now", "my", "such", "make", "over", "our", "even", "most", "me", "state", "after", "also", "made", "many", "did", "must", "before", "back", "see", "through", "way", "where", "get", "much", "go", "well", "your", "know", "should", "down", "work", "year", "because", "come", "people", "just", "say", "each", "those", "take", "day", "good", "how", "long", "very", "great", "old", "little", "world", "own", "off", "last", "right", "still", "might", "while", "high", "us", "life", "every", "never", "under", "last", "city", "water", "house", "small", "found", "part", "place", "case", "point", "group", "number", "land"])
+
+
+def _hash(*parts: object) -> str:
+    return hashlib.blake2s(repr(parts).encode(), digest_size=6).hexdigest()
+
+
+class TokenCounter:
+    """Counts and cuts text in tokens: the word rule, or a local HF tokenizer.json (exact)."""
+
+    def __init__(self, tokenizer_path: str | None = None):
+        self.path = tokenizer_path
+        self._tok: Any = None
+        if tokenizer_path:
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                raise InputError("--tokenizer needs the 'tokenizers' package: pip install 'kvcap[tokenizer]'") from None
+            p = Path(tokenizer_path)
+            if p.is_dir():
+                p = p / "tokenizer.json"
+            if not p.is_file():
+                raise InputError(f"tokenizer file {str(p)!r} not found")
+            try:
+                self._tok = Tokenizer.from_file(str(p))
+            except Exception as exc:
+                raise InputError(f"cannot load tokenizer {str(p)!r}: {exc}") from None
+
+    @property
+    def exact(self) -> bool:
+        return self._tok is not None
+
+    def count(self, text: str) -> int:
+        if self._tok is None:
+            return len(text.split())
+        return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def fit(self, text: str, n: int) -> str:
+        """``text`` cut (or padded with words) to exactly ``n`` tokens where the tokenizer allows it."""
+        if self._tok is None:
+            words = text.split()
+            while len(words) < n:
+                words += words or ["the"]
+            return " ".join(words[:n])
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        while len(ids) < n:
+            ids = ids + ids
+        out = self._tok.decode(ids[:n])
+        for _ in range(4):  # decode/encode does not always round-trip; nudge toward n
+            got = self.count(out)
+            if got == n:
+                break
+            ids_now = self._tok.encode(out, add_special_tokens=False).ids
+            out = self._tok.decode(ids_now[: max(1, len(ids_now) - (got - n))]) if got > n else out + " the" * (n - got)
+        return out
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request to send: text or chat messages, target lengths, and where it came from."""
+
+    index: int
+    prompt: str
+    input_tokens: int
+    output_tokens: int
+    group: int | None = None
+    messages: list[dict[str, str]] | None = None
+
+
+@dataclass
+class PromptFactory:
+    """Builds request ``i`` deterministically from (seed, i); the nonce varies by run/level/repeat."""
+
+    seed: int
+    input_dist: LengthDist
+    output_dist: LengthDist
+    counter: TokenCounter = field(default_factory=TokenCounter)
+    prefix_tokens: int = 0
+    prefix_groups: int = 0
+    unique_prefix: bool = True
+    run_id: str = ""
+    dataset: list[dict[str, Any]] | None = None
+    _cache: dict[int, tuple[str, int, int, int | None, list | None]] = field(default_factory=dict)
+
+    @cached_property
+    def _words(self) -> np.ndarray:
+        return np.array(WORDS)
+
+    def _group_prefix(self, group: int) -> str:
+        rng = np.random.default_rng((self.seed, 1_000_003, group))
+        text = " ".join(self._words[rng.integers(len(WORDS), size=self.prefix_tokens * 2)])
+        return self.counter.fit(f"System context {group}: {text}", self.prefix_tokens)
+
+    def body(self, i: int) -> tuple[str, int, int, int | None, list | None]:
+        """(body text, input target, output target, group, messages) — independent of run, level, repeat."""
+        if i in self._cache:
+            return self._cache[i]
+        rng = np.random.default_rng((self.seed, i))
+        out_t = int(self.output_dist.sample(1, rng)[0])
+        group = (i % self.prefix_groups) if self.prefix_groups else None
+        messages = None
+        if self.dataset is not None:
+            row = self.dataset[i % len(self.dataset)]
+            text = row.get("prompt") or ""
+            messages = row.get("messages")
+            if messages:
+                text = "\n".join(str(m.get("content", "")) for m in messages)
+            out_t = int(row.get("output_tokens") or row.get("max_tokens") or out_t)
+            in_t = int(row.get("input_tokens") or self.counter.count(text))
+        else:
+            in_t = int(self.input_dist.sample(1, rng)[0])
+            words = self._words[rng.integers(len(WORDS), size=in_t + 8)]
+            text = " ".join(words)
+        entry = (text, in_t, out_t, group, messages)
+        if len(self._cache) < 200_000:
+            self._cache[i] = entry
+        return entry
+
+    def request(self, i: int, level: float = 0, repeat: int = 0) -> RequestSpec:
+        text, in_t, out_t, group, messages = self.body(i)
+        parts = []
+        if group is not None:
+            level_tag = f"[{_hash(self.run_id, level, repeat)}] " if self.unique_prefix else ""
+            parts.append(level_tag + self._group_prefix(group))
+        if self.unique_prefix:
+            parts.append(f"{_hash(self.run_id, level, repeat, i)}:")
+        parts.append(text)
+        prompt = " ".join(parts)
+        if self.dataset is None:  # cut the whole prompt, prefix and nonce included, to the target
+            prompt = self.counter.fit(prompt, in_t)
+        if messages:
+            messages = [dict(m) for m in messages]
+            first_user = next((m for m in messages if m.get("role") == "user"), messages[0])
+            first_user["content"] = " ".join([*parts[:-1], str(first_user.get("content", ""))])
+        return RequestSpec(index=i, prompt=prompt, input_tokens=in_t, output_tokens=out_t, group=group,
+                           messages=messages)
+
+    def trace_request(self, i: int, input_tokens: int, output_tokens: int, hash_ids: tuple[int, ...] = (),
+                      level: float = 0, repeat: int = 0) -> RequestSpec:
+        """A trace row as a request; rows sharing ``hash_ids`` blocks share prompt text block for block."""
+        if hash_ids:
+            from kvcap.workload.trace import block_text
+
+            blocks = self._blocks
+            for h in hash_ids:
+                if h not in blocks:
+                    blocks[h] = block_text(self.seed, h)
+            text = " ".join(blocks[h] for h in hash_ids)
+            tag = f"[{_hash(self.run_id, level, repeat)}] " if self.unique_prefix else ""
+        else:
+            rng = np.random.default_rng((self.seed, i))
+            text = " ".join(self._words[rng.integers(len(WORDS), size=input_tokens + 8)])
+            tag = f"{_hash(self.run_id, level, repeat, i)}: " if self.unique_prefix else ""
+        prompt = self.counter.fit(tag + text, input_tokens)
+        return RequestSpec(index=i, prompt=prompt, input_tokens=input_tokens, output_tokens=output_tokens)
+
+    @cached_property
+    def _blocks(self) -> dict[int, str]:
+        return {}
+
+    def identity(self, n: int = 256) -> str:
+        """Hash of the first ``n`` bodies and targets: equal across arms ⇔ the same prompt set."""
+        h = hashlib.sha256()
+        for i in range(n):
+            text, in_t, out_t, group, _ = self.body(i)
+            h.update(json.dumps([text, in_t, out_t, group]).encode())
+        if self.prefix_groups:
+            h.update(json.dumps([self.prefix_tokens, self.prefix_groups]).encode())
+        return h.hexdigest()[:16]
+
+
+def load_dataset(path: str) -> list[dict[str, Any]]:
+    """JSONL rows with ``prompt`` (or chat ``messages``) and optional ``output_tokens``/``max_tokens``."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"dataset {path!r} not found")
+    rows: list[dict[str, Any]] = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise InputError(f"dataset {path!r} line {n} is not JSON") from None
+        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list)):
+            raise InputError(f"dataset {path!r} line {n}: needs a 'prompt' string or a 'messages' list")
+        rows.append(row)
+    if not rows:
+        raise InputError(f"dataset {path!r} is empty")
+    return rows
