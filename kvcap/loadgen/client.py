@@ -177,30 +177,43 @@ def classify_exception(exc: BaseException) -> str:
     return "connection"
 
 
+DRAIN_AFTER_DONE_S = 1.0
 _RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
+@dataclass
+class ConnectionPolicy:
+    """Shared by a session's requests: once a server is seen closing pooled connections it said to keep
+    (llama.cpp), every later request asks for ``Connection: close`` instead of tripping over a dead socket."""
+
+    close: bool = False
+    stale_seen: int = 0
+
+
 async def stream_request(session: aiohttp.ClientSession, target: Target, req: RequestSpec, o: Outcome,
-                         clock: Callable[[], float]) -> Outcome:
+                         clock: Callable[[], float], policy: ConnectionPolicy | None = None) -> Outcome:
     """Send one streaming request and time every event into ``o``.
 
     Never raises except CancelledError; then ``o`` (which the caller holds) is marked ``cancelled``.
     """
     body = json.dumps(request_body(target, req))
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream", **target.headers}
+    base_headers = {"Content-Type": "application/json", "Accept": "text/event-stream", **target.headers}
     timeout = aiohttp.ClientTimeout(total=target.timeout_s, sock_read=target.stall_timeout_s)
     chat = target.api == "chat"
     try:
         while True:
             o.t_sent = clock()
+            headers = {**base_headers, "Connection": "close"} if policy is not None and policy.close else base_headers
             try:
                 resp = await session.post(target.endpoint, data=body, headers=headers, timeout=timeout)
                 break
             except _RETRYABLE as exc:
                 # a pooled connection the server had closed (llama.cpp says Keep-Alive, then closes): the request
-                # never reached it, so one retry is safe; latency still counts from the scheduled start
-                if o.retries >= 1:
+                # never reached it, so a retry is safe; latency still counts from the scheduled start
+                if o.retries >= 2 or policy is None:
                     raise
+                policy.stale_seen += 1
+                policy.close = True
                 o.retries += 1
                 o.detail = f"retried after {type(exc).__name__}"
         async with resp:
@@ -238,7 +251,17 @@ async def _read_events(resp: aiohttp.ClientResponse, o: Outcome, chat: bool, clo
                 break
             event, buf = buf[:cut], buf[cut + 2:]
             if _handle_event(event, o, chat, now):
+                if o.done:  # read the body to its end so the connection goes back to the pool, not closed
+                    try:
+                        await asyncio.wait_for(_drain(resp), DRAIN_AFTER_DONE_S)
+                    except (asyncio.TimeoutError, aiohttp.ClientError):
+                        pass
                 return
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    async for _ in resp.content.iter_any():
+        pass
 
 
 def _handle_event(event: bytes, o: Outcome, chat: bool, now: float) -> bool:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
-from kvcap.loadgen.client import READ_BUFSIZE, Outcome, Target, stream_request, to_record
+from kvcap.loadgen.client import READ_BUFSIZE, ConnectionPolicy, Outcome, Target, stream_request, to_record
 from kvcap.loadgen.monitor import LoopMonitor
 from kvcap.workload.arrivals import arrival_offsets, parse_arrival
 from kvcap.workload.prompts import PromptFactory, RequestSpec, TokenCounter
@@ -103,6 +103,7 @@ class Runner:
     stop: asyncio.Event | None = None
     client_stats: list[dict[str, Any]] = field(default_factory=list)
     interrupted: bool = False
+    connections: ConnectionPolicy = field(default_factory=ConnectionPolicy)
 
     def clock(self) -> float:
         return time.perf_counter() - self.origin
@@ -142,7 +143,7 @@ class Runner:
     async def _send(self, session: aiohttp.ClientSession, req: RequestSpec, t_sched: float, tags: dict[str, Any]) -> None:
         o = Outcome(t_sched=t_sched)
         try:
-            await stream_request(session, self.target, req, o, self.clock)
+            await stream_request(session, self.target, req, o, self.clock, self.connections)
         except asyncio.CancelledError:
             o.error = o.error or "cancelled"
             self._emit(o, req, tags)
