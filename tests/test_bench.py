@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -226,7 +227,7 @@ def test_trace_replay_mooncake_with_shared_prefixes(tmp_path, fixed_server):
     recs = RunDir(tmp_path / "run").records()
     assert sorted(r["input_tokens"] for r in recs) == [40 + i for i in range(8)]
     starts = sorted(r["start_s"] for r in recs)
-    assert [b - a for a, b in zip(starts, starts[1:])] == pytest.approx([0.1] * 7, abs=0.01)
+    assert [b - a for a, b in itertools.pairwise(starts)] == pytest.approx([0.1] * 7, abs=0.01)
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
