@@ -353,6 +353,50 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return 130 if summary.get("interrupted") else 0
 
 
+
+# ---------------------------------------------------------------- analyze
+
+ANALYZE_EXAMPLES = """
+examples:
+  kvcap analyze runs/control
+  kvcap analyze runs/control --slo ttft_p95=500ms,tpot_p95=80ms --json
+"""
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("analyze", help="per-level statistics, the three conditions and capacities of a run directory",
+                       description=_doc("""
+                           Reads a run directory (from bench or sim), judges every level by the article's three
+                           conditions — throughput still grows, p95/p99 within the SLO, no sustained queueing,
+                           timeouts or preemptions — and writes DIR/summary.json with the effective, resident
+                           and stress-limit capacities.
+                       """), epilog=ANALYZE_EXAMPLES, formatter_class=_formatter)
+    p.add_argument("dir", metavar="DIR", help="run directory")
+    p.add_argument("--slo", metavar="SPEC", help="override the run's SLO, e.g. ttft_p95=500ms,tpot_p95=80ms")
+    p.add_argument("--json", action="store_true", help="print summary.json")
+    p.set_defaults(func=_cmd_analyze)
+
+
+def _cmd_analyze(a: argparse.Namespace) -> int:
+    from kvcap.analysis.slo import parse_slo
+    from kvcap.analysis.summary import build_summary
+    from kvcap.report.console import render_levels
+    from kvcap.rundir import SUMMARY, RunDir, write_json_atomic
+
+    run = RunDir(a.dir)
+    old = run.summary or {}
+    summary = build_summary(run, slo=parse_slo(a.slo) if a.slo else None)
+    for key in ("client", "interrupted", "telemetry_samples"):
+        if key in old:
+            summary[key] = old[key]
+    write_json_atomic(run.dir / SUMMARY, summary)
+    if a.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        render_levels(summary, title=f"kvcap analyze {a.dir}")
+    return 0
+
+
 # ---------------------------------------------------------------- shared helpers
 
 def _positive_int(text: str) -> int:
@@ -375,7 +419,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench, _add_analyze]
 
 
 def build_parser() -> argparse.ArgumentParser:

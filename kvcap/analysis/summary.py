@@ -1,4 +1,4 @@
-"""``summary.json`` from a run directory: per-level statistics, SLO checks and capacities.
+"""``summary.json`` from a run directory: per-level statistics, the article's three conditions, capacities.
 
 One path for every source: ``bench`` and ``sim`` directories are read the same way.
 """
@@ -10,53 +10,71 @@ from typing import Any
 
 import numpy as np
 
+from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
 from kvcap.analysis.stats import check_slo, level_key, summarize_level
 from kvcap.rundir import RunDir
+
+
+def _series(telemetry: list[dict[str, Any]], name: str) -> list[tuple[float, float]]:
+    """One value per sample time (summed over labels, e.g. replicas or nodes)."""
+    acc: dict[float, float] = defaultdict(float)
+    for row in telemetry:
+        if row.get("name") == name:
+            acc[float(row["t_s"])] += float(row["value"])
+    return sorted(acc.items())
+
+
+def _in(series: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
+    return [(t, v) for t, v in series if t0 <= t <= t1]
 
 
 def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str, Any]:
     slo = slo if slo is not None else (run.manifest.get("slo") or {})
     records = run.records()
-    level_infos = run.levels()
+    telemetry = run.telemetry()
+    running, waiting = _series(telemetry, "server.requests_running"), _series(telemetry, "server.requests_waiting")
+    preempt = _series(telemetry, "server.preemptions_total")
     by_level: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         by_level[level_key(r)].append(r)
     infos: dict[tuple[str, float], dict[int, dict[str, Any]]] = defaultdict(dict)
-    for info in level_infos:
+    for info in run.levels():
         infos[(str(info["mode"]), float(info["level"]))][int(info.get("repeat", 0))] = info
-    levels = []
+    levels: list[dict[str, Any]] = []
+    extra: dict[str, dict[float, dict[str, Any]]] = defaultdict(dict)
     for key in sorted(set(by_level) | set(infos), key=lambda k: (k[0], k[1])):
         mode, level = key
         recs = by_level.get(key, [])
         reps = infos.get(key, {})
         if reps:
             windows = [(reps[k]["measure_start_s"], reps[k]["measure_end_s"]) for k in sorted(reps)]
-        else:  # no level lines (e.g. killed run): the span of its measured requests
+        else:  # no level lines (e.g. a killed run): the span of its measured requests
             starts = [r["start_s"] for r in recs if r.get("phase") == "measure"] or [0.0]
             windows = [(min(starts), max(starts) + 1e-9)]
-        stats = summarize_level(recs, windows)
+        stats = summarize_level(recs, windows, slo=slo)
         failed = check_slo(stats, slo) if slo else []
-        entry = {"mode": mode, "level": int(level) if level.is_integer() else level, **stats,
-                 "slo_ok": not failed and stats["ok"] > 0, "failed_checks": failed}
+        value = int(level) if level.is_integer() else level
+        entry = {"mode": mode, "level": value, **stats, "slo_ok": not failed and stats["ok"] > 0,
+                 "failed_checks": failed}
         rates = [i.get("achieved_rate") for i in reps.values() if i.get("achieved_rate") is not None]
         if rates:
             entry["achieved_rate"] = round(float(np.median(rates)), 4)
         entry["client_warnings"] = sorted({w for i in reps.values() for w in (i.get("client") or {}).get("warnings", [])})
+        w0, w1 = windows[0]
+        level_running = [v for _, v in _in(running, w0, w1)]
+        level_waiting = [v for _, v in _in(waiting, w0, w1)]
+        if level_running:
+            entry["server_running_max"] = max(level_running)
+            entry["server_running_mean"] = round(float(np.mean(level_running)), 3)
+        if level_waiting:
+            entry["server_waiting_mean"] = round(float(np.mean(level_waiting)), 3)
+            entry["server_waiting_max"] = max(level_waiting)
+        p = _in(preempt, w0, w1)
+        entry["littles_law"] = littles_law(entry)
+        extra[mode][value] = {"stationarity": stationarity(recs, windows[0], _in(waiting, w0, w1) or None),
+                              "preemptions": (p[-1][1] - p[0][1]) if len(p) >= 2 else 0}
         levels.append(entry)
+    for mode in {lv["mode"] for lv in levels}:
+        apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])
     return {"source": run.manifest.get("source"), "arm": run.manifest.get("arm"), "slo": slo,
-            "levels": levels, "capacity": basic_capacity(levels, slo, run.telemetry())}
-
-
-def basic_capacity(levels: list[dict[str, Any]], slo: dict[str, float],
-                   telemetry: list[dict[str, Any]]) -> dict[str, Any]:
-    """Largest level within the SLO (effective), largest admitted at all (stress limit), most held (resident)."""
-    ok_levels = [lv for lv in levels if lv["ok"] > 0]
-    passing = [lv for lv in ok_levels if lv["slo_ok"]]
-    effective = max((lv["level"] for lv in passing), default=None)
-    stress = max((lv["level"] for lv in ok_levels), default=None)
-    above = [lv for lv in ok_levels if effective is None or lv["level"] > effective]
-    limited_by = above[0]["failed_checks"][0] if above and above[0]["failed_checks"] else None
-    running = [row["value"] for row in telemetry if row.get("name") == "server.requests_running"]
-    resident = int(max(running)) if running else None
-    return {"slo": slo, "effective": effective if slo else None, "stress_limit": stress, "resident": resident,
-            "resident_source": "telemetry" if running else None, "limited_by": limited_by}
+            "levels": levels, "capacity": capacities(levels, slo, running, waiting)}

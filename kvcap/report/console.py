@@ -116,7 +116,8 @@ def render_levels(summary: dict, console: Console | None = None, title: str = "P
     cap = summary.get("capacity") or {}
     if summary.get("slo"):
         con.print(f"effective capacity {cap.get('effective')} · stress limit {cap.get('stress_limit')} · resident "
-                  f"{cap.get('resident')} ({cap.get('resident_source') or 'no telemetry'})"
+                  f"{cap.get('resident')}{'+ (lower bound)' if cap.get('resident_lower_bound') else ''} "
+                  f"({cap.get('resident_source') or 'no telemetry'})"
                   + (f" · limited by {cap['limited_by']}" if cap.get("limited_by") else ""))
     for w in (summary.get("client") or {}).get("warnings", []):
         con.print(f"[yellow]! {w}[/yellow]")

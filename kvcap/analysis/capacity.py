@@ -1,0 +1,150 @@
+"""The article's three conditions per level, and the capacities that follow from them.
+
+A level is a deliverable capacity only if (a) throughput still grows with load, (b) p95/p99 are within the SLO,
+and (c) the system is stationary over the window: no upward trend of queueing or TTFT, errors and timeouts
+under their limits, no preemptions. Otherwise it is at most a stress limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+MIN_SCALING = 0.10
+"""Condition (a): the throughput gain must be at least 10% of the proportional gain (concurrency ×2 → +10%)."""
+DEFAULT_ERROR_LIMIT = 0.01
+TREND_MIN_GROWTH = 0.10
+"""Condition (c): a trend counts only if it is significant *and* grows TTFT by ≥ 10% of its median over the window."""
+
+
+def trend(t: np.ndarray, y: np.ndarray) -> dict[str, float] | None:
+    """Least-squares slope of y over t with a one-sided 95% lower bound (normal approximation)."""
+    if t.size < 8 or np.ptp(t) <= 0:
+        return None
+    tc = t - t.mean()
+    sxx = float(np.dot(tc, tc))
+    slope = float(np.dot(tc, y - y.mean()) / sxx)
+    resid = y - y.mean() - slope * tc
+    se = float(np.sqrt(np.dot(resid, resid) / max(t.size - 2, 1) / sxx))
+    return {"slope": slope, "lower95": slope - 1.645 * se, "span_s": float(np.ptp(t))}
+
+
+def stationarity(records: list[dict[str, Any]], window: tuple[float, float] | None,
+                 waiting: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """Is latency (or the server's queue) growing within the measured window?"""
+    meas = [r for r in records if r.get("phase", "measure") == "measure" and r.get("ttft_ms") is not None]
+    out: dict[str, Any] = {"source": None, "growing": False}
+    if waiting:
+        pts = np.asarray([(t, v) for t, v in waiting if window is None or window[0] <= t <= window[1]], float)
+        if pts.shape[0] >= 8:
+            tr = trend(pts[:, 0], pts[:, 1])
+            if tr is not None:
+                growth = tr["slope"] * tr["span_s"]
+                out.update(source="telemetry:server.requests_waiting", **tr, growth=growth,
+                           growing=tr["lower95"] > 0 and growth >= 1.0)
+                return out
+    if len(meas) >= 8:
+        t = np.asarray([r["start_s"] for r in meas], float)
+        y = np.asarray([r["ttft_ms"] for r in meas], float)
+        tr = trend(t, y)
+        if tr is not None:
+            growth = tr["slope"] * tr["span_s"]
+            med = float(np.median(y))
+            out.update(source="client:ttft", **tr, growth_ms=growth,
+                       growing=tr["lower95"] > 0 and growth >= max(TREND_MIN_GROWTH * med, 5.0))
+    return out
+
+
+def apply_conditions(levels: list[dict[str, Any]], slo: dict[str, float], extra: dict[float, dict[str, Any]],
+                     min_scaling: float = MIN_SCALING) -> None:
+    """Fill each level's ``failed_checks`` with the names of the conditions it fails (in place)."""
+    error_limit = slo.get("error_rate", DEFAULT_ERROR_LIMIT)
+    prev: dict[str, Any] | None = None
+    for lv in sorted(levels, key=lambda x: x["level"]):
+        failed = list(lv.get("failed_checks") or [])
+        if prev is not None and prev["output_tok_s"] > 0 and lv["level"] > prev["level"]:
+            gain = lv["output_tok_s"] / prev["output_tok_s"] - 1.0
+            proportional = lv["level"] / prev["level"] - 1.0
+            lv["scaling_efficiency"] = round(gain / proportional, 4) if proportional > 0 else None
+            if lv["scaling_efficiency"] is not None and lv["scaling_efficiency"] < min_scaling:
+                failed.append("throughput_growth")
+        else:
+            lv["scaling_efficiency"] = None
+        if lv["error_rate"] > error_limit and "error_rate" not in failed:
+            failed.append("error_rate")
+        if lv.get("error_classes", {}).get("timeout"):
+            failed.append("timeouts")
+        info = extra.get(lv["level"], {})
+        st = info.get("stationarity") or {}
+        lv["stationarity"] = st
+        if st.get("growing"):
+            failed.append("queue_growth")
+        if info.get("preemptions", 0) > 0:
+            failed.append("preemptions")
+        lv["preemptions"] = info.get("preemptions")
+        lv["failed_checks"] = failed
+        lv["slo_ok"] = not failed and lv["ok"] > 0
+        if lv["ok"] > 0:
+            prev = lv
+
+
+def capacities(levels: list[dict[str, Any]], slo: dict[str, float],
+               running: list[tuple[float, float]], waiting: list[tuple[float, float]]) -> dict[str, Any]:
+    """effective / stress_limit / resident, with where ``resident`` came from."""
+    closed = [lv for lv in levels if lv["mode"] == "concurrency"] or levels
+    ok_levels = [lv for lv in closed if lv["ok"] > 0]
+    effective = None
+    for lv in sorted(ok_levels, key=lambda x: x["level"]):  # the largest level of the passing run from below
+        if lv["slo_ok"]:
+            effective = lv["level"]
+        else:
+            break
+    stress = max((lv["level"] for lv in ok_levels), default=None)
+    above = [lv for lv in sorted(ok_levels, key=lambda x: x["level"]) if effective is None or lv["level"] > effective]
+    limited_by = above[0]["failed_checks"][0] if above and above[0]["failed_checks"] else None
+    resident, source, lower_bound = None, None, False
+    if running:
+        wmap = dict(waiting)
+        calm = [v for t, v in running if wmap.get(t, 0.0) < 0.5]
+        resident = int(max(calm)) if calm else int(max(v for _, v in running))
+        source = "telemetry"
+        lower_bound = not any(v >= 0.5 for v in wmap.values())
+    elif ok_levels:
+        resident, lower_bound = client_resident_estimate(ok_levels)
+        source = "client_estimate"
+    return {"slo": slo, "effective": effective, "stress_limit": stress, "resident": resident,
+            "resident_source": source, "resident_lower_bound": lower_bound, "limited_by": limited_by,
+            "scaling": [{"level": lv["level"], "efficiency": lv.get("scaling_efficiency")} for lv in ok_levels]}
+
+
+def client_resident_estimate(levels: list[dict[str, Any]]) -> tuple[int | None, bool]:
+    """The largest level without the queueing signature (TTFT far above its idle value plus a few TPOTs)."""
+    lv = sorted(levels, key=lambda x: x["level"])
+    base = (lv[0].get("ttft_ms") or {}).get("p50")
+    if base is None:
+        return None, True
+    resident = None
+    for x in lv:
+        ttft, tpot = (x.get("ttft_ms") or {}).get("p50"), (x.get("tpot_ms") or {}).get("p50") or 0.0
+        if ttft is None:
+            continue
+        if ttft <= 2.0 * base + 5.0 * tpot:
+            resident = x["level"]
+        else:
+            return int(resident) if resident is not None else None, False
+    return (int(resident) if resident is not None else None), True
+
+
+def littles_law(level: dict[str, Any]) -> dict[str, Any] | None:
+    """In flight ≈ completion rate × mean response time; against the configured concurrency."""
+    rate, e2e = level.get("request_s"), (level.get("e2e_ms") or {}).get("mean")
+    if not rate or not e2e:
+        return None
+    in_flight = rate * e2e / 1e3
+    out = {"in_flight": round(in_flight, 3)}
+    if level["mode"] == "concurrency":
+        ratio = in_flight / level["level"]
+        out["ratio_to_concurrency"] = round(ratio, 3)
+        out["mismatch"] = abs(ratio - 1.0) > 0.2
+    return out
