@@ -217,7 +217,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--metrics-url", action="append", metavar="URL", help="server /metrics to sample each second")
     g.add_argument("--arm", help="arm name for A/B (stored in the manifest)")
     g.add_argument("--fixed", action="append", metavar="KEY=VALUE",
-                   help="declare a fixed variable for compare, e.g. serving.kv_offload=host (repeatable)")
+                   help="declare a fixed variable for compare, e.g. cluster.gpus=4 (repeatable)")
+    g.add_argument("--vary", action="append", metavar="KEY=VALUE",
+                   help="the variable under test and its value in this arm, e.g. serving.kv_offload=host")
     g.add_argument("--record-text", action="store_true", help="store generated text in each record")
     g.add_argument("--quiet", action="store_true", help="no live progress")
     g.add_argument("--json", action="store_true", help="print summary.json at the end")
@@ -297,12 +299,14 @@ def _bench_config(a: argparse.Namespace) -> Any:
     if a.prefix_tokens < 0 or a.prefix_groups < 0 or (a.prefix_tokens > 0) != (a.prefix_groups > 0):
         raise InputError("--prefix-tokens and --prefix-groups go together and must be positive")
     fixed = parse_set(a.fixed)
+    vary = parse_set(a.vary)
+    fixed.update(vary)
     return BenchConfig(target=target, plan=plan, out=Path(a.out), input_dist=parse_length(a.input_tokens, "--input-tokens"),
                        output_dist=parse_length(a.output_tokens, "--output-tokens"), tokenizer=a.tokenizer,
                        dataset=a.dataset, prefix_tokens=a.prefix_tokens, prefix_groups=a.prefix_groups,
                        unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
                        slo=parse_slo(a.slo), workers=a.workers, overwrite=a.overwrite, arm=a.arm, fixed=fixed,
-                       record_text=a.record_text)
+                       record_text=a.record_text, under_test=sorted(vary))
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
@@ -397,6 +401,50 @@ def _cmd_analyze(a: argparse.Namespace) -> int:
     return 0
 
 
+
+# ---------------------------------------------------------------- compare
+
+COMPARE_EXAMPLES = """
+examples:
+  kvcap compare runs/control runs/treatment --slo ttft_p95=500ms,tpot_p95=80ms
+  kvcap compare runs/vram-only runs/offload --allow-diff serving.kv_offload --json
+"""
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="A/B verdict: performance scaling, capacity only, no gain or regression",
+                       description=_doc("""
+                           Checks that the two runs are of the same caliber (every fixed variable equal but the
+                           one under test; exit 3 listing the differences otherwise), then compares resident and
+                           effective capacity and goodput, with bootstrap confidence, and gives the verdict.
+                       """), epilog=COMPARE_EXAMPLES, formatter_class=_formatter)
+    p.add_argument("control", metavar="CONTROL_DIR")
+    p.add_argument("treatment", metavar="TREATMENT_DIR")
+    p.add_argument("--slo", metavar="SPEC", help="SLO (default: the control run's)")
+    p.add_argument("--allow-diff", metavar="KEY,...", help="fixed variables allowed to differ")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_compare)
+
+
+def _cmd_compare(a: argparse.Namespace) -> int:
+    from kvcap.analysis.slo import parse_slo
+    from kvcap.analysis.verdict import compare
+    from kvcap.report.console import render_compare
+
+    allow = {k.strip() for k in (a.allow_diff or "").split(",") if k.strip()}
+    result = compare(a.control, a.treatment, slo=parse_slo(a.slo) if a.slo else None, allow=allow)
+    if not result["fixed_variables"]["equal"]:
+        diffs = "; ".join(f"{d['key']}: {d['control']!r} vs {d['treatment']!r}"
+                          for d in result["fixed_variables"]["differences"])
+        raise RefusedComparison(f"fixed variables differ — {diffs} (pass --allow-diff KEY to accept)")
+    if a.json:
+        out = {k: v for k, v in result.items() if k != "summaries"}
+        print(json.dumps(out, indent=2))
+    else:
+        render_compare(result)
+    return 0
+
+
 # ---------------------------------------------------------------- shared helpers
 
 def _positive_int(text: str) -> int:
@@ -419,7 +467,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench, _add_analyze]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench, _add_analyze, _add_compare]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,6 +48,7 @@ class BenchConfig:
     arm: str | None = None
     fixed: dict[str, Any] = field(default_factory=dict)
     record_text: bool = False
+    under_test: list[str] = field(default_factory=list)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -113,7 +114,7 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
         "tool": "kvcap", "tool_version": __version__, "source": "bench", "arm": cfg.arm, "run_id": cfg.run_id,
         "started_at": started, "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
                                        "python": platform.python_version(), "cpus": os.cpu_count()},
-        "server": server, "slo": cfg.slo, "fixed": fixed,
+        "server": server, "slo": cfg.slo, "fixed": fixed, "under_test": cfg.under_test,
         "header_names": sorted(t.headers),  # names only: values (API keys) are never written
     }
 

@@ -1,0 +1,161 @@
+"""``compare``: the same-caliber check, then the verdict — performance scaling, capacity only, no gain or
+regression — with the evidence and its noise.
+
+Noise is a bootstrap over requests (and over repeats when there are several): a difference whose 95%
+interval includes zero is not a gain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvcap.analysis.stats import level_key, meets_request_slo, tokens_in_window
+from kvcap.analysis.summary import build_summary
+from kvcap.rundir import RunDir
+
+NOT_FIXED = {"target.url"}
+"""Keys that are expected to differ between arms (two servers) and are not fixed variables."""
+BOOTSTRAP = 400
+
+
+def same_caliber(control: dict[str, Any], treatment: dict[str, Any], allow: set[str]) -> dict[str, Any]:
+    """Every fixed variable must match except those under test or explicitly allowed."""
+    fc, ft = control.get("fixed") or {}, treatment.get("fixed") or {}
+    under_test = set(control.get("under_test") or []) | set(treatment.get("under_test") or [])
+    diffs, tolerated = [], []
+    for key in sorted(set(fc) | set(ft)):
+        if key in NOT_FIXED:
+            continue
+        a, b = fc.get(key), ft.get(key)
+        if a != b:
+            item = {"key": key, "control": a, "treatment": b}
+            (tolerated if key in allow or key in under_test else diffs).append(item)
+    return {"equal": not diffs, "differences": diffs, "allowed_differences": tolerated,
+            "under_test": sorted(under_test)}
+
+
+def _good_tokens(run: RunDir, slo: dict[str, float]) -> dict[float, list[np.ndarray]]:
+    """Per level, per repeat: each measured-window request's in-window output tokens counted toward goodput."""
+    windows: dict[tuple[str, float], dict[int, tuple[float, float]]] = {}
+    for info in run.levels():
+        windows.setdefault((str(info["mode"]), float(info["level"])), {})[int(info.get("repeat", 0))] = (
+            info["measure_start_s"], info["measure_end_s"])
+    out: dict[float, list[np.ndarray]] = {}
+    per: dict[tuple[str, float, int], list[float]] = {}
+    for r in run.records():
+        key = level_key(r)
+        rep = int(r.get("repeat", 0))
+        w = windows.get(key, {}).get(rep)
+        if w is None:
+            continue
+        g = tokens_in_window(r, *w) if meets_request_slo(r, slo) else 0
+        per.setdefault((key[0], key[1], rep), []).append(g / max(w[1] - w[0], 1e-9))
+    for (_, level, _rep), vals in sorted(per.items()):
+        out.setdefault(level, []).append(np.asarray(vals, float))
+    return out
+
+
+def _boot(samples: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """Bootstrap distribution of the median-over-repeats goodput (requests resampled within each repeat)."""
+    draws = []
+    for arr in samples:
+        if arr.size == 0:
+            draws.append(np.zeros(BOOTSTRAP))
+            continue
+        idx = rng.integers(0, arr.size, size=(BOOTSTRAP, arr.size))
+        draws.append(arr[idx].sum(axis=1))
+    stacked = np.vstack(draws)
+    if stacked.shape[0] > 1:  # resample repeats too
+        pick = rng.integers(0, stacked.shape[0], size=(BOOTSTRAP, stacked.shape[0]))
+        return np.median(np.take_along_axis(stacked.T, pick, axis=1), axis=1)
+    return stacked[0]
+
+
+def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None = None,
+            allow: set[str] | None = None, seed: int = 0) -> dict[str, Any]:
+    rc, rt = RunDir(control_dir), RunDir(treatment_dir)
+    mc, mt = rc.manifest, rt.manifest
+    caliber = same_caliber(mc, mt, allow or set())
+    slo = slo if slo is not None else (mc.get("slo") or mt.get("slo") or {})
+    sc, st = build_summary(rc, slo), build_summary(rt, slo)
+    rng = np.random.default_rng(seed)
+    gc, gt = _good_tokens(rc, slo), _good_tokens(rt, slo)
+    arms = {}
+    for name, summ in (("control", sc), ("treatment", st)):
+        cap = summ["capacity"]
+        best = max(summ["levels"], key=lambda lv: lv["goodput_tok_s"], default=None)
+        arms[name] = {"effective": cap["effective"], "resident": cap["resident"],
+                      "resident_source": cap["resident_source"], "stress_limit": cap["stress_limit"],
+                      "goodput_tok_s": best["goodput_tok_s"] if best else 0.0,
+                      "goodput_level": best["level"] if best else None, "limited_by": cap["limited_by"],
+                      "arm": summ.get("arm") or name}
+    # noise of the best-goodput difference
+    lc, lt = arms["control"]["goodput_level"], arms["treatment"]["goodput_level"]
+    bc = _boot(gc.get(float(lc), [np.zeros(1)]), rng) if lc is not None else np.zeros(BOOTSTRAP)
+    bt = _boot(gt.get(float(lt), [np.zeros(1)]), rng) if lt is not None else np.zeros(BOOTSTRAP)
+    diff = bt - bc
+    lo, hi = (float(x) for x in np.percentile(diff, [2.5, 97.5]))
+    gain = {"delta_tok_s": round(arms["treatment"]["goodput_tok_s"] - arms["control"]["goodput_tok_s"], 3),
+            "ci95": [round(lo, 3), round(hi, 3)], "beyond_noise": lo > 0 or hi < 0}
+    per_level = _per_level(sc, st, gc, gt, rng)
+    verdict = decide(arms["control"], arms["treatment"], lo, hi)
+    ec, et = arms["control"]["effective"], arms["treatment"]["effective"]
+    efficiency = None
+    if ec and et and ec != et and arms["control"]["goodput_tok_s"] > 0:
+        efficiency = round((arms["treatment"]["goodput_tok_s"] / arms["control"]["goodput_tok_s"] - 1)
+                           / (et / ec - 1), 4)
+    warnings = []
+    took_effect = treatment_took_effect(sc, st)
+    if took_effect is False:
+        warnings.append("no server-side sign that the treatment took effect (running requests not higher)")
+    if not caliber["equal"]:
+        warnings.append("fixed variables differ: " + ", ".join(d["key"] for d in caliber["differences"]))
+    return {"verdict": verdict, "control": arms["control"], "treatment": arms["treatment"],
+            "goodput_gain": gain, "efficiency": efficiency, "fixed_variables": caliber, "slo": slo,
+            "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
+            "summaries": {"control": sc, "treatment": st}}
+
+
+def decide(c: dict[str, Any], t: dict[str, Any], lo: float, hi: float) -> str:
+    """DESIGN.md's definitions, with 'beyond noise' = the 95% interval of the goodput difference excludes 0."""
+    ec, et = c["effective"] or 0, t["effective"] or 0
+    if et < ec or hi < 0:
+        return "regression"
+    if et > ec and lo > 0:
+        return "performance-scaling"
+    if (t["resident"] or 0) > (c["resident"] or 0):
+        return "capacity-only"
+    return "no-gain"
+
+
+def _per_level(sc: dict[str, Any], st: dict[str, Any], gc: dict, gt: dict,
+               rng: np.random.Generator) -> list[dict[str, Any]]:
+    tl = {lv["level"]: lv for lv in st["levels"]}
+    out = []
+    for lc in sc["levels"]:
+        lt = tl.get(lc["level"])
+        if lt is None:
+            continue
+        d = _boot(gt.get(float(lc["level"]), [np.zeros(1)]), rng) - _boot(gc.get(float(lc["level"]), [np.zeros(1)]), rng)
+        lo, hi = np.percentile(d, [2.5, 97.5])
+        out.append({"level": lc["level"], "mode": lc["mode"],
+                    "output_tok_s": [lc["output_tok_s"], lt["output_tok_s"]],
+                    "goodput_tok_s": [lc["goodput_tok_s"], lt["goodput_tok_s"]],
+                    "goodput_delta_ci95": [round(float(lo), 3), round(float(hi), 3)],
+                    "ttft_p95_ms": [lc["ttft_ms"]["p95"], lt["ttft_ms"]["p95"]],
+                    "tpot_p95_ms": [lc["tpot_ms"]["p95"], lt["tpot_ms"]["p95"]],
+                    "slo_ok": [lc["slo_ok"], lt["slo_ok"]],
+                    "server_running_max": [lc.get("server_running_max"), lt.get("server_running_max")]})
+    return out
+
+
+def treatment_took_effect(sc: dict[str, Any], st: dict[str, Any]) -> bool | None:
+    """True/False from server telemetry (more requests running at the same level); None without telemetry."""
+    pairs = [(a.get("server_running_max"), b.get("server_running_max"))
+             for a in sc["levels"] for b in st["levels"] if a["level"] == b["level"]]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    if not pairs:
+        return None
+    return any(b > a for a, b in pairs)
