@@ -445,6 +445,73 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     return 0
 
 
+
+# ---------------------------------------------------------------- audit
+
+AUDIT_EXAMPLES = """
+examples:
+  kvcap audit tests/data/article_table.csv --output-tokens 256 --slo ttft_p95=500ms,tpot_p95=80ms
+  kvcap audit table.csv --output-tokens 256 --input-tokens 1024 --model llama-3.1-8b --gpu rtx4090 --nodes 4 \\
+              --claimed-effective 16 --json
+"""
+
+
+def _add_audit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("audit", help="check a capacity table someone hands you for internal consistency",
+                       description=_doc("""
+                           Reads a CSV (concurrency, output_tok_s, ttft_ms[, tpot_ms, output_tokens, arm, …]) and
+                           checks it against itself: the TPOT its throughput implies, Little's law, scaling
+                           efficiency, the SLO, and — with --model and --gpu/--gpu-mem — whether the claimed
+                           concurrency is really VRAM-bound for that model.
+                       """), epilog=AUDIT_EXAMPLES, formatter_class=_formatter)
+    p.add_argument("table", metavar="TABLE.csv")
+    p.add_argument("--output-tokens", type=_positive_int, help="output tokens per request (the table's cap)")
+    p.add_argument("--input-tokens", type=_positive_int, help="input tokens per request (for the VRAM check)")
+    p.add_argument("--slo", metavar="SPEC", help="e.g. ttft_p95=500ms,tpot_p95=80ms")
+    p.add_argument("--claimed-effective", type=float, help="the effective capacity the table's author claims")
+    p.add_argument("--model", help="model preset or config.json, for the VRAM check")
+    p.add_argument("--gpu", help="GPU preset, for the VRAM check")
+    p.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory, for the VRAM check")
+    p.add_argument("--nodes", type=_positive_int, help="nodes (one GPU each unless --gpus-per-node)")
+    p.add_argument("--gpus-per-node", type=_positive_int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_audit)
+
+
+def _cmd_audit(a: argparse.Namespace) -> int:
+    from kvcap.analysis.audit import audit_table, read_table
+    from kvcap.analysis.slo import parse_slo
+
+    rows = read_table(a.table)
+    plan_result = None
+    if a.model:
+        from kvcap.plan import plan, resolve
+        from kvcap.specs.scenario import load_scenario
+
+        over: dict[str, Any] = {"model.preset": a.model} if not a.model.endswith(".json") else {"model.config": a.model}
+        for key, val in (("cluster.gpu.preset", a.gpu), ("cluster.gpu.memory", a.gpu_mem), ("cluster.nodes", a.nodes),
+                         ("cluster.gpus_per_node", a.gpus_per_node), ("workload.input_tokens", a.input_tokens),
+                         ("workload.output_tokens", a.output_tokens)):
+            if val is not None:
+                over[key] = val
+        plan_result = plan(resolve(load_scenario(None, over)))
+    result = audit_table(rows, output_tokens=a.output_tokens, input_tokens=a.input_tokens,
+                         slo=parse_slo(a.slo) if a.slo else None, plan=plan_result,
+                         claimed_effective=a.claimed_effective)
+    if a.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from kvcap.report.console import make_console
+
+    con = make_console()
+    colour = {"error": "red", "warn": "yellow", "info": "white"}
+    for f in result["findings"]:
+        where = f"{f.get('arm') or ''} c={f.get('level')}".strip() if f.get("level") is not None else "table"
+        con.print(f"[{colour.get(f['severity'], 'white')}]{f['severity']:5}[/] {where} · {f['check']}: {f['message']}")
+    con.print(f"\n[bold]{result['summary']}[/bold]")
+    return 0
+
+
 # ---------------------------------------------------------------- shared helpers
 
 def _positive_int(text: str) -> int:
@@ -467,7 +534,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench, _add_analyze, _add_compare]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench, _add_analyze, _add_compare, _add_audit]
 
 
 def build_parser() -> argparse.ArgumentParser:

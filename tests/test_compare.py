@@ -46,6 +46,8 @@ def test_memory_that_buys_performance(tmp_path):
     lv16 = next(x for x in v["per_level"] if x["level"] == 16)
     assert lv16["tpot_p95_ms"][1] == pytest.approx(68, abs=4)
     assert v["fixed_variables"]["under_test"] == ["serving.slots"]
+    bounds = {(d["arm"], d["bound"]) for d in v["diagnosis"]}
+    assert bounds == {("control", "kv_capacity"), ("treatment", "compute")}
 
 
 def test_memory_that_buys_only_residency(tmp_path):
@@ -57,6 +59,7 @@ def test_memory_that_buys_only_residency(tmp_path):
     assert v["control"]["effective"] == 8 and v["treatment"]["effective"] == 8
     assert v["control"]["resident"] == 8 and v["treatment"]["resident"] == 24
     assert not v["goodput_gain"]["beyond_noise"]
+    assert ("treatment", "compute") in {(d["arm"], d["bound"]) for d in v["diagnosis"]}
 
 
 def test_mismatched_manifests_exit_3(tmp_path):

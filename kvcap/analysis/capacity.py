@@ -137,14 +137,17 @@ def client_resident_estimate(levels: list[dict[str, Any]]) -> tuple[int | None, 
 
 
 def littles_law(level: dict[str, Any]) -> dict[str, Any] | None:
-    """In flight ≈ completion rate × mean response time; against the configured concurrency."""
+    """Little's law cross-check: λ·W (completion rate × mean response time) against the time-averaged number
+    in flight measured from the records, and (closed loop) against the configured concurrency. A ratio well
+    below 1 means the client did not keep the load it was asked for."""
     rate, e2e = level.get("request_s"), (level.get("e2e_ms") or {}).get("mean")
-    if not rate or not e2e:
+    measured = level.get("in_flight_mean")
+    if measured is None and not (rate and e2e):
         return None
-    in_flight = rate * e2e / 1e3
-    out = {"in_flight": round(in_flight, 3)}
-    if level["mode"] == "concurrency":
-        ratio = in_flight / level["level"]
+    out: dict[str, Any] = {"in_flight": measured,
+                           "rate_x_response": round(rate * e2e / 1e3, 3) if rate and e2e else None}
+    if level["mode"] == "concurrency" and measured is not None:
+        ratio = measured / level["level"]
         out["ratio_to_concurrency"] = round(ratio, 3)
-        out["mismatch"] = abs(ratio - 1.0) > 0.2
+        out["mismatch"] = ratio < 0.85 or ratio > 1.1
     return out

@@ -45,6 +45,15 @@ def tokens_in_window(rec: dict[str, Any], t0: float, t1: float) -> int:
     return int(np.count_nonzero((times >= t0) & (times < t1)))
 
 
+def _end(rec: dict[str, Any]) -> float:
+    """When a request ended (run-relative s): recorded end, else start + E2E, else its start."""
+    if rec.get("end_s") is not None:
+        return float(rec["end_s"])
+    if rec.get("e2e_ms") is not None:
+        return rec["start_s"] + rec["e2e_ms"] / 1e3
+    return float(rec["start_s"])
+
+
 def level_key(rec: dict[str, Any]) -> tuple[str, float]:
     return (str(rec.get("mode", "concurrency")), float(rec.get("level", 0)))
 
@@ -77,6 +86,7 @@ def summarize_level(records: list[dict[str, Any]], windows: list[tuple[float, fl
     per_repeat_tok_s: list[float] = []
     per_repeat_req_s: list[float] = []
     per_repeat_good: list[float] = []
+    per_repeat_inflight: list[float] = []
     pool = all_records if all_records is not None else records
     for rep, (t0, t1) in enumerate(windows):
         span = max(t1 - t0, 1e-9)
@@ -85,6 +95,8 @@ def summarize_level(records: list[dict[str, Any]], windows: list[tuple[float, fl
         done = sum(1 for r in rep_recs if r.get("ok") and r.get("e2e_ms") is not None
                    and t0 <= r["start_s"] + r["e2e_ms"] / 1e3 < t1)
         good = sum(tokens_in_window(r, t0, t1) for r in rep_recs if meets_request_slo(r, slo or {}))
+        busy = sum(max(0.0, min(_end(r), t1) - max(r["start_s"], t0)) for r in rep_recs)
+        per_repeat_inflight.append(busy / span)
         per_repeat_tok_s.append(toks / span)
         per_repeat_req_s.append(done / span)
         per_repeat_good.append(good / span)
@@ -95,6 +107,7 @@ def summarize_level(records: list[dict[str, Any]], windows: list[tuple[float, fl
         "request_s": round(float(np.median(per_repeat_req_s)), 4) if per_repeat_req_s else 0.0,
         "output_tok_s_repeats": [round(x, 3) for x in per_repeat_tok_s],
         "goodput_tok_s": round(float(np.median(per_repeat_good)), 3) if per_repeat_good else 0.0,
+        "in_flight_mean": round(float(np.median(per_repeat_inflight)), 3) if per_repeat_inflight else None,
         "goodput_tok_s_repeats": [round(x, 3) for x in per_repeat_good],
         "error_rate": round((len(judged) - len(ok)) / len(judged), 6) if judged else 0.0,
         "truncated": sum(1 for r in ok if r.get("truncated")),

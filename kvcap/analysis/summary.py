@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
+from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.stats import check_slo, level_key, summarize_level
 from kvcap.rundir import RunDir
 
@@ -76,5 +77,7 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
         levels.append(entry)
     for mode in {lv["mode"] for lv in levels}:
         apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])
-    return {"source": run.manifest.get("source"), "arm": run.manifest.get("arm"), "slo": slo,
-            "levels": levels, "capacity": capacities(levels, slo, running, waiting)}
+    summary = {"source": run.manifest.get("source"), "arm": run.manifest.get("arm"), "slo": slo,
+               "levels": levels, "capacity": capacities(levels, slo, running, waiting)}
+    summary["diagnosis"] = diagnose(summary, run.manifest.get("arm") or "run")
+    return summary

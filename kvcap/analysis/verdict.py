@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.stats import level_key, meets_request_slo, tokens_in_window
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
@@ -115,6 +116,7 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     return {"verdict": verdict, "control": arms["control"], "treatment": arms["treatment"],
             "goodput_gain": gain, "efficiency": efficiency, "fixed_variables": caliber, "slo": slo,
             "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
+            "diagnosis": diagnose(sc, "control") + diagnose(st, "treatment"),
             "summaries": {"control": sc, "treatment": st}}
 
 

@@ -147,7 +147,8 @@ def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, keep_t
         tpot = (e2e - ttft) / (n_out - 1)
     finish = o.finish_reason
     rec: dict[str, Any] = {
-        "index": req.index, "start_s": round(o.t_sched, 6), "send_delay_ms": round((o.t_sent - o.t_sched) * 1e3, 3),
+        "index": req.index, "start_s": round(o.t_sched, 6),
+        "end_s": round(o.t_last, 6) if o.t_last is not None else None, "send_delay_ms": round((o.t_sent - o.t_sched) * 1e3, 3),
         "ok": ok, "error": error, "status": o.status,
         "input_tokens": int(usage.get("prompt_tokens") or req.input_tokens),
         "output_tokens": n_out, "requested_output_tokens": req.output_tokens, "tokens_source": source,

@@ -119,6 +119,8 @@ def render_levels(summary: dict, console: Console | None = None, title: str = "P
                   f"{cap.get('resident')}{'+ (lower bound)' if cap.get('resident_lower_bound') else ''} "
                   f"({cap.get('resident_source') or 'no telemetry'})"
                   + (f" · limited by {cap['limited_by']}" if cap.get("limited_by") else ""))
+    for d in summary.get("diagnosis", []):
+        con.print(f"bounded by [bold]{d['bound']}[/bold] — {d['evidence']}. → {d['direction']}")
     for w in (summary.get("client") or {}).get("warnings", []):
         con.print(f"[yellow]! {w}[/yellow]")
     if summary.get("interrupted"):
@@ -161,6 +163,8 @@ def render_compare(result: dict, console: Console | None = None) -> None:
                    pair(row["ttft_p95_ms"]), pair(row["tpot_p95_ms"], "{:.1f}"),
                    " → ".join("pass" if x else "fail" for x in row["slo_ok"]), pair(row["server_running_max"]))
     con.print(lv)
+    for d in result.get("diagnosis", []):
+        con.print(f"[bold]{d['arm']}[/bold]: bounded by [bold]{d['bound']}[/bold] — {d['evidence']}. → {d['direction']}")
     for d in result["fixed_variables"]["allowed_differences"]:
         con.print(f"differs (allowed): {d['key']}: {d['control']!r} → {d['treatment']!r}")
     for w in result["warnings"]:

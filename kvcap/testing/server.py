@@ -30,6 +30,9 @@ Timing truth (every time is an absolute deadline on the event loop clock, so sle
   ``reset`` aborts the TCP connection (RST), ``stall`` stops sending but keeps the connection open until the
   client leaves, ``malformed`` sends one event of invalid JSON and then continues normally, and
   ``error_in_200`` sends a llama.cpp-style ``{"error": ...}`` event and ends the response without ``[DONE]``.
+  Non-streaming requests get the same faults (a truncated or ``{"error": ...}`` JSON body for the last two).
+  In batching mode a stalled request keeps its slot until its tokens would have been done; a reset one (or one
+  whose client left) frees it at the next step start.
 * ``--close-after-response`` says ``Connection: keep-alive`` but closes after every response (llama.cpp), which
   breaks clients that reuse pooled connections without retrying.
 
@@ -221,9 +224,42 @@ def _release(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> bool:
-    """Sleep to an absolute ``loop.time()`` deadline; returns False (without yielding) if it has passed."""
-    if when <= loop.time():
+@dataclass
+class TimerStats:
+    """How late timed sends woke up. The truths hold only while the host keeps up; tests read this (``timer`` in
+    /stats) to tell a broken schedule from a starved machine."""
+
+    wakeups: int = 0
+    late_over_1ms: int = 0
+    late_over_5ms: int = 0
+    max_late_s: float = 0.0
+
+    def record(self, late: float) -> None:
+        self.wakeups += 1
+        if late > 0.001:
+            self.late_over_1ms += 1
+            if late > 0.005:
+                self.late_over_5ms += 1
+        if late > self.max_late_s:
+            self.max_late_s = late
+
+    def as_dict(self) -> dict[str, float]:
+        return {"wakeups": self.wakeups, "late_over_1ms": self.late_over_1ms, "late_over_5ms": self.late_over_5ms,
+                "max_late_ms": round(self.max_late_s * 1e3, 3)}
+
+
+TIMERS = TimerStats()
+"""Process-wide: one server per process is the intended use."""
+
+
+async def sleep_until(loop: asyncio.AbstractEventLoop, when: float, record: bool = True) -> bool:
+    """Sleep to an absolute ``loop.time()`` deadline; returns False (without yielding) if it has passed.
+
+    ``record``: count the wake-up's lateness (also when already past due) in :data:`TIMERS`."""
+    now = loop.time()
+    if when <= now:
+        if record:
+            TIMERS.record(now - when)
         return False
     fut = loop.create_future()
     handle = loop.call_at(when, _release, fut)
@@ -231,6 +267,8 @@ async def sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> bool:
         await fut
     finally:
         handle.cancel()
+    if record:
+        TIMERS.record(loop.time() - when)
     return True
 
 
@@ -239,9 +277,10 @@ class _FixedClock:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, t0: float, ttft: float, itl: float) -> None:
         self.loop, self.t0, self.ttft, self.itl = loop, t0, ttft, itl
+        self.timed = ttft > 0 or itl > 0  # fast mode has no schedule to be late for
 
     async def wait(self, n: int) -> bool:
-        return await sleep_until(self.loop, self.t0 + self.ttft + (n - 1) * self.itl)
+        return await sleep_until(self.loop, self.t0 + self.ttft + (n - 1) * self.itl, self.timed)
 
     def close(self) -> None:
         pass
@@ -275,6 +314,7 @@ class BatchingEngine:
         self._wake: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
+        self.resyncs = 0  # steps restarted from "now" because the loop fell a whole step behind
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvcap-fake-engine")
@@ -327,7 +367,10 @@ class BatchingEngine:
             if self.running:
                 # back to back, on absolute deadlines; only if we fell a whole step behind do we restart the clock
                 now = loop.time()
-                t_start = t_end if now - t_end < max(step, 0.002) else now
+                t_start = t_end
+                if now - t_end >= max(step, 0.002):
+                    t_start = now
+                    self.resyncs += 1
             else:  # idle: the step starts when the oldest waiting request arrived
                 t_start = max(t_end, self.waiting[0].t_arrival)
             prefill = 0
@@ -340,7 +383,7 @@ class BatchingEngine:
             step = self.a + self.b * len(self.running) + self.ppt * prefill
             t_end = t_start + step
             if not self.running:  # the only waiters arrived after t_start (clock skew): wait for them
-                await sleep_until(loop, self.waiting[0].t_arrival)
+                await sleep_until(loop, self.waiting[0].t_arrival, record=False)
                 t_end = -math.inf
                 continue
             await sleep_until(loop, t_end)
@@ -551,6 +594,12 @@ class FakeServerState:
         return _FixedClock(asyncio.get_running_loop(), job.t_arrival, self.cfg.ttft_s, self.cfg.itl_s)
 
     def snapshot(self) -> dict[str, Any]:
+        """The /stats body. ``requests_started`` counts valid generation requests (each takes an arrival index);
+        ``requests_finished`` those that reached their normal end; ``requests_aborted`` the rest (faults, clients
+        that left); ``requests_rejected`` 4xx validation failures (no index). ``connections_opened`` counts every
+        accepted TCP connection, the ones that fetched /stats or /metrics included. ``running``/``waiting`` are
+        now; ``max_*`` are high-water marks; ``faults_injected`` is per kind; ``timer`` says how late timed sends
+        woke (the timing truths hold only while ``late_over_5ms`` stays 0)."""
         s = self.stats
         return {
             "requests_started": s.requests_started, "requests_finished": s.requests_finished,
@@ -560,6 +609,8 @@ class FakeServerState:
             "running": s.running, "waiting": s.waiting, "max_running": s.max_running, "max_waiting": s.max_waiting,
             "connections_opened": s.connections_opened, "faults_injected": dict(s.faults_injected),
             "engine_steps": self.engine.steps if self.engine is not None else None,
+            "engine_resyncs": self.engine.resyncs if self.engine is not None else None,
+            "timer": TIMERS.as_dict(),
             "config": _config_json(self.cfg),
         }
 
@@ -629,6 +680,7 @@ class _Generation:
                                                  "TooManyRequestsError"), status=429, headers={"Retry-After": "1"})
         clock = self.state.clock_for(job)
         s = self.state.stats
+        s.prompt_tokens_total += job.prompt_tokens
         if self.state.engine is None:
             s.set_running(s.running + 1)
         try:
@@ -743,7 +795,6 @@ def _make_generation_handler(chat: bool) -> Callable[[web.Request], Awaitable[we
         job.index = state.next_index
         state.next_index += 1
         state.stats.requests_started += 1
-        state.stats.prompt_tokens_total += job.prompt_tokens
         return await _Generation(state, request, job).run()
     return handler
 

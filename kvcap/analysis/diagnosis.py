@@ -1,0 +1,76 @@
+"""What bounds an arm, and which way to scale — the article's rules of thumb, each backed by the numbers shown.
+
+- KV capacity: requests queue (server waiting > 0, or TTFT jumps) while the per-token time stays flat → the
+  GPU had compute to spare; more KV memory (VRAM, host or remote offload) is likely to help.
+- compute: the per-token time grows with the batch while nothing queues → "GPU busy, VRAM to spare": more
+  memory won't help; add compute (GPUs/replicas), quantize, or cap the batch.
+- interconnect: a link near its capacity → remote KV access is the limit; faster links or hotter local data.
+- client: the load generator lagged or could not keep the offered concurrency → fix the client first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TPOT_FLAT = 1.15
+TPOT_GROWS = 1.30
+
+
+def _p(lv: dict[str, Any], metric: str, q: str = "p50") -> float | None:
+    return (lv.get(f"{metric}_ms") or {}).get(q)
+
+
+def diagnose(summary: dict[str, Any], arm: str = "run") -> list[dict[str, Any]]:
+    """Findings ``{arm, bound, direction, evidence}`` for one run's summary (bench or sim alike)."""
+    levels = sorted([lv for lv in summary.get("levels", []) if lv["ok"] > 0], key=lambda x: x["level"])
+    out: list[dict[str, Any]] = []
+    if len(levels) < 2:
+        return out
+    warn = sorted({w for lv in levels for w in lv.get("client_warnings", [])})
+    lagging = [lv for lv in levels if (lv.get("littles_law") or {}).get("ratio_to_concurrency", 1.0) < 0.85]
+    if warn or lagging:
+        ev = "; ".join(warn) if warn else (
+            f"in flight {lagging[0]['littles_law']['in_flight']:.1f} at c={lagging[0]['level']} "
+            f"(ratio {lagging[0]['littles_law']['ratio_to_concurrency']:.2f})")
+        out.append({"arm": arm, "bound": "client", "evidence": ev,
+                    "direction": "the load generator limited the run: use --workers or a bigger client host "
+                                 "before judging the server"})
+    first, last = levels[0], levels[-1]
+    tp0, tp1 = _p(first, "tpot"), _p(last, "tpot")
+    tt0, tt1 = _p(first, "ttft"), _p(last, "ttft")
+    waiting = [lv for lv in levels if (lv.get("server_waiting_mean") or 0) >= 0.5]
+    queued = waiting or [lv for lv in levels if tt0 and _p(lv, "ttft") and _p(lv, "ttft") > 2 * tt0 + 5 * (tp0 or 0)]
+    if tp0 and tp1:
+        growth = tp1 / tp0
+        if queued and growth <= TPOT_FLAT:
+            q = queued[0]
+            src = (f"server waiting {q['server_waiting_mean']:.1f} on average" if q in waiting
+                   else f"TTFT p50 {_p(q, 'ttft'):.0f} ms vs {tt0:.0f} ms at c={first['level']}")
+            out.append({"arm": arm, "bound": "kv_capacity",
+                        "evidence": f"from c={q['level']} requests queue ({src}) while TPOT p50 stays "
+                                    f"{tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from c={first['level']} to "
+                                    f"c={last['level']}",
+                        "direction": "compute has headroom and requests wait for KV room: more KV memory "
+                                     "(VRAM, host or remote offload) is likely to raise stable concurrency, if the "
+                                     "link to it keeps up"})
+        elif growth >= TPOT_GROWS:
+            running = [lv.get("server_running_max") for lv in levels]
+            ev = (f"TPOT p50 grows {tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from c={first['level']} to "
+                  f"c={last['level']}")
+            if all(r is not None for r in running):
+                ev += f" with {running[-1]:.0f} requests running"
+            if tt0 and tt1:
+                ev += f"; TTFT p50 {tt0:.0f} → {tt1:.0f} ms"
+            out.append({"arm": arm, "bound": "compute", "evidence": ev,
+                        "direction": "the GPU is the limit, not memory: more memory won't raise stable "
+                                     "concurrency; add compute (GPUs/replicas), quantize, or cap the batch"})
+    util = [lv.get("link_util_max") for lv in levels if lv.get("link_util_max") is not None]
+    if util and max(util) >= 0.8:
+        out.append({"arm": arm, "bound": "interconnect", "evidence": f"link utilisation up to {max(util):.0%}",
+                    "direction": "remote KV traffic saturates the link: faster interconnect, keep hot KV local, or "
+                                 "offload only cold prefixes"})
+    if not out:
+        out.append({"arm": arm, "bound": "none_seen",
+                    "evidence": f"TPOT p50 {tp0} → {tp1} ms, no queueing seen up to c={last['level']}",
+                    "direction": "no bottleneck reached: extend the sweep to higher load"})
+    return out

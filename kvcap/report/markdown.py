@@ -1,0 +1,140 @@
+"""A short Markdown summary of a compare (or of one run) for pasting into a ticket or a pull request.
+
+Verdict first, then the numbers behind it. Cells come from run data, so ``|`` is escaped (it would split a table
+cell), newlines are folded, and ``<``/``>`` become entities so a hostile model name cannot inject HTML into
+renderers that allow it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvcap.analysis.slo import format_slo
+from kvcap.report.html import ARMS, VERDICT_MEANING, _level_name, fmt, fmtm
+
+
+def md_escape(value: Any) -> str:
+    """Text safe inside a Markdown table cell (and inline): no cell splits, no line breaks, no raw HTML."""
+    text = "" if value is None else str(value)
+    text = text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    return " ".join(text.splitlines())
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None) -> list[str]:
+    right = right or [i > 0 for i in range(len(head))]
+    out = ["| " + " | ".join(md_escape(h) for h in head) + " |",
+           "|" + "|".join("---:" if r else "---" for r in right) + "|"]
+    out += ["| " + " | ".join(md_escape(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _signed(v: Any) -> str:
+    return f"{v:+,.1f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
+
+
+def _slo(ok: Any) -> str:
+    return "–" if ok is None else "pass" if ok else "FAIL"
+
+
+def _pair(v: Any) -> list[Any]:
+    return list(v) + [None] * (2 - len(v)) if isinstance(v, list) else [None, None]
+
+
+def _finding(d: Any) -> str:
+    if isinstance(d, dict) and ("bound" in d or "evidence" in d):
+        text = (f"[{d['arm']}] " if d.get("arm") else "") + f"bounded by **{d.get('bound', '?')}**"
+        if d.get("evidence"):
+            text += f" — {d['evidence']}"
+        if d.get("direction"):
+            text += f". → {d['direction']}"
+        return text
+    if isinstance(d, dict):
+        return "; ".join(f"{k}: {v}" for k, v in d.items())
+    return str(d)
+
+
+def _bullets(title: str, items: Sequence[Any]) -> list[str]:
+    if not items:
+        return []
+    return ["", f"**{title}**", *(f"- {md_escape(_finding(x))}" for x in items)]
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """Verdict, the per-arm capacity table, goodput Δ with its CI, the per-level table, diagnosis and warnings."""
+    verdict = str(result.get("verdict", "unknown"))
+    c, t = result.get("control") or {}, result.get("treatment") or {}
+    out = [f"### kvcap compare: **{md_escape(verdict)}**", "",
+           md_escape(VERDICT_MEANING.get(verdict, "Unknown verdict.")), ""]
+
+    def res(a: dict[str, Any]) -> str:
+        return fmt(a.get("resident")) + (f" ({a['resident_source']})" if a.get("resident_source") else "")
+
+    labels = [str((result.get(arm) or {}).get("arm") or arm) for arm in ARMS]
+    labels = [arm if lab == arm else f"{arm} ({lab})" for arm, lab in zip(ARMS, labels)]
+    out += _table(["arm", "resident", "effective", "goodput tok/s (best level)", "stress limit", "limited by"],
+                  [[lab, res(a), fmt(a.get("effective")),
+                    f"{fmtm(a.get('goodput_tok_s'))} @ {fmt(a.get('goodput_level'))}", fmt(a.get("stress_limit")),
+                    fmt(a.get("limited_by"))] for lab, a in zip(labels, (c, t))],
+                  right=[False, True, True, True, True, False])
+    g = result.get("goodput_gain") or {}
+    if g:
+        ci = _pair(g.get("ci95"))
+        noise = "beyond noise" if g.get("beyond_noise") else "inside the noise"
+        line = f"Goodput Δ **{_signed(g.get('delta_tok_s'))} tok/s**, 95% CI [{_signed(ci[0])}, {_signed(ci[1])}] — {noise}."
+        if result.get("efficiency") is not None:
+            line += f" Efficiency {fmt(result['efficiency'])}."
+        out += ["", line]
+    fv = result.get("fixed_variables") or {}
+    tested = [f"`{md_escape(d.get('key'))}` {md_escape(d.get('control'))} → {md_escape(d.get('treatment'))}"
+              for d in fv.get("allowed_differences") or []]
+    if tested:
+        out += ["", "Under test: " + ", ".join(tested)]
+    if not fv.get("equal", True):
+        out += ["", "**Not the same caliber** — fixed variables differ: "
+                + ", ".join(f"`{md_escape(d.get('key'))}`" for d in fv.get("differences") or [])]
+    if result.get("slo"):
+        out += ["", f"SLO: {md_escape(format_slo(result['slo']))}"]
+    rows = []
+    for r in result.get("per_level") or []:
+        tok, good = _pair(r.get("output_tok_s")), _pair(r.get("goodput_tok_s"))
+        ttft, tpot, ok = _pair(r.get("ttft_p95_ms")), _pair(r.get("tpot_p95_ms")), _pair(r.get("slo_ok"))
+        ci = _pair(r.get("goodput_delta_ci95"))
+        rows.append([_level_name(r.get("mode"), r.get("level")), fmtm(tok[0]), fmtm(tok[1]), fmtm(good[0]),
+                     fmtm(good[1]), f"[{_signed(ci[0])}, {_signed(ci[1])}]", fmtm(ttft[0]), fmtm(ttft[1]),
+                     fmtm(tpot[0]), fmtm(tpot[1]), _slo(ok[0]), _slo(ok[1])])
+    if rows:
+        out += ["", *_table(["level", "tok/s C", "tok/s T", "goodput C", "goodput T", "Δ goodput 95% CI",
+                             "TTFT p95 C ms", "TTFT p95 T ms", "TPOT p95 C ms", "TPOT p95 T ms", "SLO C", "SLO T"],
+                            rows, right=[False] + [True] * 9 + [False, False])]
+    out += _bullets("Diagnosis", list(result.get("diagnosis") or []))
+    out += _bullets("Warnings", list(result.get("warnings") or []))
+    return "\n".join(out) + "\n"
+
+
+def render_markdown_single(summary: dict[str, Any]) -> str:
+    """One run: capacities, then the per-level table, diagnosis and warnings."""
+    cap = summary.get("capacity") or {}
+    levels = summary.get("levels") or []
+    best = max((lv for lv in levels if isinstance(lv.get("goodput_tok_s"), (int, float))),
+               key=lambda lv: lv["goodput_tok_s"], default=None)
+    out = [f"### kvcap run{': ' + md_escape(summary['arm']) if summary.get('arm') else ''}", ""]
+    out += _table(["resident", "effective", "goodput tok/s (best level)", "stress limit", "limited by"],
+                  [[fmt(cap.get("resident")) + (f" ({cap['resident_source']})" if cap.get("resident_source") else ""),
+                    fmt(cap.get("effective")),
+                    f"{fmtm(best['goodput_tok_s'])} @ {fmt(best['level'])}" if best else "–",
+                    fmt(cap.get("stress_limit")), fmt(cap.get("limited_by"))]],
+                  right=[True, True, True, True, False])
+    if summary.get("slo"):
+        out += ["", f"SLO: {md_escape(format_slo(summary['slo']))}"]
+    rows = [[_level_name(lv.get("mode"), lv.get("level")), fmtm(lv.get("output_tok_s")), fmtm(lv.get("goodput_tok_s")),
+             fmtm((lv.get("ttft_ms") or {}).get("p95")), fmtm((lv.get("tpot_ms") or {}).get("p95")),
+             _slo(lv.get("slo_ok")) + ("" if lv.get("slo_ok") or not lv.get("failed_checks")
+                                       else " " + ", ".join(map(str, lv["failed_checks"])))]
+            for lv in levels]
+    if rows:
+        out += ["", *_table(["level", "tok/s", "goodput", "TTFT p95 ms", "TPOT p95 ms", "SLO"], rows,
+                            right=[False, True, True, True, True, False])]
+    out += _bullets("Diagnosis", list(summary.get("diagnosis") or []))
+    out += _bullets("Warnings", list((summary.get("client") or {}).get("warnings") or []))
+    return "\n".join(out) + "\n"
