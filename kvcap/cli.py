@@ -512,6 +512,148 @@ def _cmd_audit(a: argparse.Namespace) -> int:
     return 0
 
 
+
+# ---------------------------------------------------------------- ab
+
+AB_EXAMPLES = """
+examples:
+  kvcap ab experiments/offload.yaml --out runs/offload-ab
+
+experiment file:
+  name: kv-offload
+  fixed: {model.name: llama-3.1-8b, cluster.gpus: 4}
+  arms:
+    - {name: control, url: "http://127.0.0.1:8000", command: "vllm serve … --port 8000",
+       vary: {serving.kv_offload: none}}
+    - {name: treatment, url: "http://127.0.0.1:8000", command: "vllm serve … --kv-offloading-size 64",
+       vary: {serving.kv_offload: host}}
+  load: {concurrency: [8, 16, 24], warmup: 10s, duration: 60s, repeats: 3}
+  workload: {input_tokens: 1024, output_tokens: 256}
+  slo: {ttft_p95: 500ms, tpot_p95: 80ms}
+"""
+
+
+def _add_ab(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ab", help="run a same-caliber A/B (interleaved repeats), compare and report",
+                       description=_doc("""
+                           Runs both arms of an experiment with interleaved repeats (A B A B …) so drift on the
+                           machine cancels, starting and stopping each arm's server command if it has one, then
+                           writes DIR/<arm>/ run directories, DIR/compare.json and DIR/report.html.
+                       """), epilog=AB_EXAMPLES, formatter_class=_formatter)
+    p.add_argument("experiment", metavar="EXPERIMENT.yaml")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an experiment field (repeatable)")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--json", action="store_true", help="print compare.json")
+    p.set_defaults(func=_cmd_ab)
+
+
+def _cmd_ab(a: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from kvcap.experiment import Experiment, load_experiment
+    from kvcap.report.console import render_compare
+    from kvcap.specs.scenario import apply_overrides, parse_set
+
+    exp = load_experiment(a.experiment)
+    if a.set:
+        exp = Experiment.model_validate(apply_overrides(exp.model_dump(), parse_set(a.set)))
+    out = Path(a.out)
+    result = asyncio.run(_run_ab(exp, out, quiet=a.quiet or a.json))
+    _write_report(result, out)
+    if a.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "summaries"}, indent=2))
+    else:
+        render_compare(result)
+        print(f"report: {out / 'report.html'}")
+    return 0
+
+
+async def _run_ab(exp: Any, out: Any, quiet: bool) -> dict:
+    import asyncio
+    import signal
+
+    from kvcap.experiment import run_experiment
+    from kvcap.report.live import RichProgress
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if quiet or not sys.stderr.isatty():
+        return await run_experiment(exp, out, None, stop)
+    with RichProgress() as progress:
+        return await run_experiment(exp, out, progress, stop)
+
+
+def _write_report(result: dict, out: Any) -> None:
+    from kvcap.report.html import write_html
+    from kvcap.report.markdown import render_markdown
+    from kvcap.rundir import RunDir
+
+    arms = [result["control"]["arm"], result["treatment"]["arm"]]
+    runs = {"control": RunDir(out / arms[0]), "treatment": RunDir(out / arms[1])}
+    write_html(out / "report.html", result, runs)
+    (out / "report.md").write_text(render_markdown(result))
+
+
+
+# ---------------------------------------------------------------- report
+
+REPORT_EXAMPLES = """
+examples:
+  kvcap report runs/control --out control.html
+  kvcap report runs/control runs/treatment --slo ttft_p95=500ms,tpot_p95=80ms --out ab.html
+"""
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="self-contained HTML report (and Markdown) for one run or an A/B pair",
+                       description=_doc("""
+                           One run: per-level plots and server time series. Two runs (control, treatment): the
+                           verdict box first, then the plots with SLO lines and capacity markers, the fixed
+                           variables, the diagnosis and the raw tables. Works offline; a .md summary is written
+                           beside it.
+                       """), epilog=REPORT_EXAMPLES, formatter_class=_formatter)
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="one run directory, or CONTROL TREATMENT")
+    p.add_argument("--slo", metavar="SPEC")
+    p.add_argument("--allow-diff", metavar="KEY,...", help="as for compare")
+    p.add_argument("--out", default="report.html", metavar="FILE")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvcap.analysis.slo import parse_slo
+    from kvcap.report.html import write_html, write_html_single
+    from kvcap.report.markdown import render_markdown, render_markdown_single
+    from kvcap.rundir import RunDir
+
+    slo = parse_slo(a.slo) if a.slo else None
+    out = Path(a.out)
+    if len(a.dirs) == 1:
+        from kvcap.analysis.summary import build_summary
+
+        run = RunDir(a.dirs[0])
+        summary = build_summary(run, slo)
+        write_html_single(out, summary, run, title=f"kvcap report: {a.dirs[0]}")
+        out.with_suffix(".md").write_text(render_markdown_single(summary))
+    elif len(a.dirs) == 2:
+        from kvcap.analysis.verdict import compare
+
+        allow = {k.strip() for k in (a.allow_diff or "").split(",") if k.strip()}
+        result = compare(a.dirs[0], a.dirs[1], slo=slo, allow=allow)
+        write_html(out, result, {"control": RunDir(a.dirs[0]), "treatment": RunDir(a.dirs[1])},
+                   title=f"kvcap: {a.dirs[0]} vs {a.dirs[1]}")
+        out.with_suffix(".md").write_text(render_markdown(result))
+    else:
+        raise InputError("report takes one run directory or two (control, treatment)")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
 # ---------------------------------------------------------------- shared helpers
 
 def _positive_int(text: str) -> int:
@@ -534,7 +676,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench, _add_analyze, _add_compare, _add_audit]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench, _add_analyze, _add_compare, _add_ab, _add_report, _add_audit]
 
 
 def build_parser() -> argparse.ArgumentParser:

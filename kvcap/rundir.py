@@ -29,13 +29,14 @@ def _dumps(obj: Any) -> str:
 class RunWriter:
     """Appends records as they finish; writes manifest and summary atomically."""
 
-    def __init__(self, out: str | Path, overwrite: bool = False):
+    def __init__(self, out: str | Path, overwrite: bool = False, append: bool = False):
         self.dir = Path(out)
-        if (self.dir / REQUESTS).exists() and not overwrite:
+        if (self.dir / REQUESTS).exists() and not (overwrite or append):
             raise InputError(f"{str(self.dir)!r} already holds a run: choose another --out (or --overwrite)")
         self.dir.mkdir(parents=True, exist_ok=True)
-        for name in (REQUESTS, LEVELS, TELEMETRY, SUMMARY):
-            (self.dir / name).unlink(missing_ok=True)
+        if not append:
+            for name in (MANIFEST, REQUESTS, LEVELS, TELEMETRY, SUMMARY):
+                (self.dir / name).unlink(missing_ok=True)
         self._files: dict[str, IO[str]] = {}
         self.records = 0
 

@@ -49,6 +49,10 @@ class BenchConfig:
     fixed: dict[str, Any] = field(default_factory=dict)
     record_text: bool = False
     under_test: list[str] = field(default_factory=list)
+    append: bool = False
+    """Add this run's repeats to an existing run directory (same manifest), as ``ab`` does between arms."""
+    origin: float | None = None
+    """perf_counter origin shared by every part of one experiment, so appended repeats share one time axis."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -131,13 +135,14 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     """Run the whole sweep; returns the summary (also written to ``summary.json``)."""
     counter = TokenCounter(cfg.tokenizer)
     factory = _factory(cfg, counter)
-    writer = RunWriter(cfg.out, overwrite=cfg.overwrite)
+    writer = RunWriter(cfg.out, overwrite=cfg.overwrite, append=cfg.append)
     server = await probe_server(cfg.target)
     if cfg.target.model is None and server.get("models"):
         cfg.target = replace(cfg.target, model=server["models"][0])
     started = time.time()
-    writer.manifest(_manifest(cfg, server, factory, started))
-    origin = time.perf_counter()
+    if not (cfg.append and (cfg.out / "manifest.json").exists()):
+        writer.manifest(_manifest(cfg, server, factory, started))
+    origin = cfg.origin if cfg.origin is not None else time.perf_counter()
     stop = stop or asyncio.Event()
     client_stats: list[dict[str, Any]] = []
     interrupted = False
@@ -207,7 +212,7 @@ def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, bar
         session = make_session()
         loop = asyncio.get_running_loop()
         try:
-            for repeat in range(cfg.plan.repeats):
+            for repeat in range(cfg.plan.first_repeat, cfg.plan.first_repeat + cfg.plan.repeats):
                 for level in cfg.plan.levels:
                     await loop.run_in_executor(None, barrier.wait)
                     if stop.is_set():
@@ -216,7 +221,7 @@ def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, bar
                     runner = Runner(target=cfg.target, plan=one, factory=factory, sink=QueueSink(), counter=counter,
                                     worker=w, workers=cfg.workers, origin=origin, stop=stop,
                                     keep_texts=cfg.record_text)
-                    await runner._level(session, level, repeat)
+                    await runner.run_level(session, level, repeat)
         finally:
             watcher.cancel()
             await session.close()

@@ -37,6 +37,8 @@ class LoadPlan:
     duration_s: float | None = 60.0
     requests: int | None = None
     repeats: int = 1
+    first_repeat: int = 0
+    """Index of the first repeat (``ab`` interleaves arms by running one repeat at a time into the same run)."""
     arrival: str = "poisson"
     seed: int = 0
     max_inflight: int = 20_000
@@ -114,14 +116,14 @@ class Runner:
     async def run(self, session: aiohttp.ClientSession) -> None:
         if self.stop is None:
             self.stop = asyncio.Event()
-        for repeat in range(self.plan.repeats):
+        for repeat in range(self.plan.first_repeat, self.plan.first_repeat + self.plan.repeats):
             for level in self.plan.levels:
                 if self._stopped():
                     self.interrupted = True
                     return
-                await self._level(session, level, repeat)
+                await self.run_level(session, level, repeat)
 
-    async def _level(self, session: aiohttp.ClientSession, level: float, repeat: int) -> None:
+    async def run_level(self, session: aiohttp.ClientSession, level: float, repeat: int) -> None:
         p = self.plan
         expected = (p.warmup_s + p.duration_s) if p.duration_s is not None else None
         self.progress.level_start(p.mode, level, repeat, expected)

@@ -1,0 +1,199 @@
+"""``kvcap ab``: run a same-caliber A/B from one experiment file, with interleaved repeats (A B A B …) so drift on
+the machine falls on both arms alike, then compare and report.
+
+An arm is an endpoint URL, or a server command kvcap starts, health-checks and stops around each of its repeats.
+Everything but the arm's ``vary`` values is shared: the load plan, the workload, the decoding parameters, the SLO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvcap.analysis.slo import parse_slo
+from kvcap.errors import InputError
+from kvcap.loadgen.bench import BenchConfig, run_bench
+from kvcap.loadgen.client import Target
+from kvcap.loadgen.runner import LoadPlan, Progress
+from kvcap.rundir import MANIFEST, write_json_atomic
+from kvcap.specs.scenario import read_yaml, validation_message
+from kvcap.units import parse_duration
+from kvcap.workload.lengths import parse_length
+
+
+class ArmSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    url: str
+    command: str | None = None
+    """Started before each of the arm's repeats (in its own process group) and stopped after it."""
+    health: str = "/health"
+    start_timeout: float = 300.0
+    vary: dict[str, Any] = Field(default_factory=dict)
+
+
+class ExperimentLoad(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    concurrency: list[int] | None = None
+    rate: list[float] | None = None
+    arrival: str = "poisson"
+    warmup: str | float = "10s"
+    duration: str | float | None = "60s"
+    requests: int | None = None
+    repeats: int = Field(default=3, ge=1)
+    seed: int = 0
+
+
+class ExperimentWorkload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input_tokens: str | int = 1024
+    output_tokens: str | int = 256
+    prefix_tokens: int = 0
+    prefix_groups: int = 0
+
+
+class Experiment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "ab"
+    api: str = "completions"
+    model: str | None = None
+    timeout: str | float = "120s"
+    fixed: dict[str, Any] = Field(default_factory=dict)
+    arms: list[ArmSpec]
+    load: ExperimentLoad
+    workload: ExperimentWorkload = ExperimentWorkload()
+    slo: dict[str, str] = Field(default_factory=dict)
+    metrics: bool = True
+    """Sample each arm's ``/metrics`` (server telemetry makes ``resident`` exact)."""
+
+    @field_validator("arms")
+    @classmethod
+    def _two_arms(cls, v: list[ArmSpec]) -> list[ArmSpec]:
+        if len(v) != 2 or v[0].name == v[1].name:
+            raise ValueError("an experiment has exactly two arms with different names (control first)")
+        return v
+
+    @field_validator("slo", mode="before")
+    @classmethod
+    def _slo(cls, v: Any) -> Any:
+        return {str(k): str(x) for k, x in (v or {}).items()}
+
+
+def load_experiment(path: str) -> Experiment:
+    data = read_yaml(path, "experiment")
+    try:
+        exp = Experiment.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(validation_message(exc, path)) from None
+    if bool(exp.load.concurrency) == bool(exp.load.rate):
+        raise InputError(f"{path}: load needs exactly one of concurrency or rate")
+    return exp
+
+
+class ManagedServer:
+    """A server command run in its own process group, up once its health URL answers 200."""
+
+    def __init__(self, arm: ArmSpec, log: Path):
+        self.arm = arm
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ManagedServer:
+        assert self.arm.command
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(shlex.split(self.arm.command), stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        out.close()
+        url = self.arm.url.rstrip("/").removesuffix("/v1") + self.arm.health
+        deadline = time.monotonic() + self.arm.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise InputError(f"arm {self.arm.name}: server command exited with {self.proc.returncode} "
+                                 f"(log: {self.log})")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.__exit__()
+        raise InputError(f"arm {self.arm.name}: {url} not healthy after {self.arm.start_timeout:g} s (log: {self.log})")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=5)
+
+
+def _bench_config(exp: Experiment, arm: ArmSpec, out: Path, repeat: int, origin: float) -> BenchConfig:
+    lw = exp.load
+    if lw.concurrency:
+        mode, levels = "concurrency", tuple(float(c) for c in lw.concurrency)
+    else:
+        mode, levels = "rate", tuple(float(r) for r in lw.rate or ())
+    timeout = parse_duration(exp.timeout, "timeout")
+    plan = LoadPlan(mode=mode, levels=levels, warmup_s=parse_duration(lw.warmup, "load.warmup"),
+                    duration_s=parse_duration(lw.duration, "load.duration") if lw.duration is not None and not
+                    lw.requests else None, requests=lw.requests, repeats=1, first_repeat=repeat,
+                    arrival=lw.arrival, seed=lw.seed, drain_timeout_s=timeout)
+    target = Target(url=arm.url, api=exp.api, model=exp.model, timeout_s=timeout)
+    metrics = [arm.url.rstrip("/").removesuffix("/v1") + "/metrics"] if exp.metrics else []
+    fixed = {**exp.fixed, **arm.vary}
+    return BenchConfig(target=target, plan=plan, out=out, input_dist=parse_length(exp.workload.input_tokens),
+                       output_dist=parse_length(exp.workload.output_tokens), prefix_tokens=exp.workload.prefix_tokens,
+                       prefix_groups=exp.workload.prefix_groups, metrics_urls=metrics, slo=parse_slo(exp.slo),
+                       arm=arm.name, fixed=fixed, under_test=sorted({*exp.arms[0].vary, *exp.arms[1].vary}),
+                       append=repeat > 0, overwrite=repeat == 0, origin=origin)
+
+
+async def run_experiment(exp: Experiment, out: Path, progress: Progress | None = None,
+                         stop: asyncio.Event | None = None) -> dict[str, Any]:
+    """Interleaved repeats, then the comparison (``compare.json``) — the report is written by the caller."""
+    from kvcap.analysis.verdict import compare
+
+    out.mkdir(parents=True, exist_ok=True)
+    origin = time.perf_counter()
+    order: list[dict[str, Any]] = []
+    for repeat in range(exp.load.repeats):
+        for arm in exp.arms:
+            if stop is not None and stop.is_set():
+                break
+            cfg = _bench_config(exp, arm, out / arm.name, repeat, origin)
+            t0 = time.time()
+            if arm.command:
+                with ManagedServer(arm, out / f"{arm.name}.server.log"):
+                    await run_bench(cfg, progress, stop)
+            else:
+                await run_bench(cfg, progress, stop)
+            order.append({"arm": arm.name, "repeat": repeat, "started_at": t0, "ended_at": time.time()})
+    for arm in exp.arms:
+        mpath = out / arm.name / MANIFEST
+        if mpath.exists():
+            m = json.loads(mpath.read_text())
+            m["fixed"]["load.repeats"] = exp.load.repeats
+            m["experiment"] = exp.name
+            write_json_atomic(mpath, m)
+    result = compare(str(out / exp.arms[0].name), str(out / exp.arms[1].name), slo=parse_slo(exp.slo))
+    result["schedule"] = order
+    write_json_atomic(out / "compare.json", {k: v for k, v in result.items() if k != "summaries"})
+    return result
