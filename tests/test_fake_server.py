@@ -7,6 +7,7 @@ generator would: perf_counter per received network chunk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -18,7 +19,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -147,6 +148,55 @@ def near(value: float, target: float, tol: float = TOL_MS) -> bool:
     return abs(value - target) <= tol
 
 
+class LoopLag:
+    """Worst event-loop lag of this (client) process while active: a starved client mis-times what it sees."""
+
+    def __init__(self, period_s: float = 0.005) -> None:
+        self.period_s, self.max_s = period_s, 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.period_s)
+            self.max_s = max(self.max_s, loop.time() - t - self.period_s)
+
+    async def __aenter__(self) -> LoopLag:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+T = TypeVar("T")
+
+
+async def truth_check(srv: FakeServer, measure: Callable[[], Awaitable[T]], check: Callable[[T], None],
+                      attempts: int = 3) -> T:
+    """Measure, then check timing against truth. A failure on a healthy host fails the test at once; a failure
+    while the host was starved (server timers > 5 ms late, or this loop lagging > 5 ms) is retried, and if every
+    attempt was starved the test is skipped: the truth was never delivered, so it cannot be judged."""
+    why: list[str] = []
+    for _ in range(attempts):
+        before = srv.stats()["timer"]["late_over_5ms"]
+        async with LoopLag() as lag:
+            data = await measure()
+        late = srv.stats()["timer"]["late_over_5ms"] - before
+        try:
+            check(data)
+            return data
+        except AssertionError:
+            if late == 0 and lag.max_s <= 0.005:
+                raise
+            why.append(f"{late} server wake-ups > 5 ms late, client loop lag {lag.max_s * 1e3:.1f} ms")
+    pytest.skip("host too loaded to check timing truth: " + "; ".join(why))
+
+
 @pytest.fixture(scope="module")
 def fixed_srv() -> Iterator[FakeServer]:
     """One default server (ttft 50 ms, itl 20 ms) shared by the tests that do not read counters."""
@@ -158,40 +208,51 @@ def fixed_srv() -> Iterator[FakeServer]:
 
 @arun
 async def test_fixed_timing_single_stream(fixed_srv: FakeServer) -> None:
-    async with session() as s:
-        await stream(s, fixed_srv.url, max_tokens=1)  # warm the connection so TTFT has no TCP handshake
-        rs = [await stream(s, fixed_srv.url, max_tokens=20) for _ in range(3)]
-    assert all(r.status == 200 and r.done and r.n_tokens == 20 and len(r.gaps_ms) == 19 for r in rs)
-    # medians and means carry the truth; single samples only get sanity bounds, as they jitter with host load
-    ttfts = [r.ttft_ms for r in rs]
-    # the least-disturbed sample is truth plus the client's own minimal overhead; none may come early
-    assert TTFT_MS - 0.2 <= min(ttfts) <= TTFT_MS + TOL_MS and statistics.median(ttfts) <= TTFT_MS + 5, ttfts
-    gaps = [g for r in rs for g in r.gaps_ms]
-    assert near(statistics.mean(gaps), ITL_MS) and near(statistics.median(gaps), ITL_MS), gaps
-    assert all(near(g, ITL_MS, 15.0) for g in gaps), gaps
+    async def measure() -> list[Stream]:
+        async with session() as s:
+            await stream(s, fixed_srv.url, max_tokens=1)  # warm the connection so TTFT has no TCP handshake
+            rs = [await stream(s, fixed_srv.url, max_tokens=20) for _ in range(3)]
+        assert all(r.status == 200 and r.done and r.n_tokens == 20 and len(r.gaps_ms) == 19 for r in rs)
+        return rs
+
+    def check(rs: list[Stream]) -> None:
+        # the least-disturbed sample is truth plus the client's minimal overhead; none may come early
+        ttfts = [r.ttft_ms for r in rs]
+        assert TTFT_MS - 0.2 <= min(ttfts) <= TTFT_MS + TOL_MS and statistics.median(ttfts) <= TTFT_MS + 5, ttfts
+        gaps = [g for r in rs for g in r.gaps_ms]
+        assert near(statistics.mean(gaps), ITL_MS) and near(statistics.median(gaps), ITL_MS), gaps
+        assert all(near(g, ITL_MS, 15.0) for g in gaps), gaps  # single gaps only get sanity bounds
+
+    await truth_check(fixed_srv, measure, check)
 
 
 @arun
 async def test_fixed_timing_16_concurrent_chat_streams(fixed_srv: FakeServer) -> None:
-    async with session() as s:
-        await asyncio.gather(*(stream(s, fixed_srv.url, max_tokens=1) for _ in range(16)))  # 16 warm connections
+    async def measure() -> list[Stream]:
+        async with session() as s:
+            await asyncio.gather(*(stream(s, fixed_srv.url, max_tokens=1) for _ in range(16)))  # warm connections
 
-        async def staggered(i: int) -> Stream:
-            await asyncio.sleep(0.003 * i)  # so the client's own send overhead does not pile up into TTFT
-            return await stream(s, fixed_srv.url, chat=True, max_tokens=16)
+            async def staggered(i: int) -> Stream:
+                await asyncio.sleep(0.003 * i)  # so the client's own send overhead does not pile up into TTFT
+                return await stream(s, fixed_srv.url, chat=True, max_tokens=16)
 
-        results = await asyncio.gather(*(staggered(i) for i in range(16)))
-    ttfts = [r.ttft_ms for r in results]
-    assert all(r.done and r.n_tokens == 16 for r in results)
-    assert near(statistics.median(ttfts), TTFT_MS) and all(TTFT_MS - 0.2 <= t <= TTFT_MS + 15 for t in ttfts), ttfts
-    gaps = [g for r in results for g in r.gaps_ms]
-    assert near(statistics.mean(gaps), ITL_MS) and near(statistics.median(gaps), ITL_MS)
-    for r in results:  # the role-only chunk comes first and at once, and is not content
-        first = r.objs()[0]
-        assert first["object"] == "chat.completion.chunk"
-        assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        assert (r.events[0][0] - r.t0) * 1e3 < 20
-        assert r.content()[0][0] > r.events[0][0]
+            results = await asyncio.gather(*(staggered(i) for i in range(16)))
+        for r in results:  # the role-only chunk comes first, and is not content
+            assert r.done and r.n_tokens == 16
+            first = r.objs()[0]
+            assert first["object"] == "chat.completion.chunk"
+            assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert r.content()[0][0] > r.events[0][0]
+        return results
+
+    def check(results: list[Stream]) -> None:
+        ttfts = [r.ttft_ms for r in results]
+        assert near(statistics.median(ttfts), TTFT_MS) and all(TTFT_MS - 0.2 <= t <= TTFT_MS + 15 for t in ttfts)
+        gaps = [g for r in results for g in r.gaps_ms]
+        assert near(statistics.mean(gaps), ITL_MS) and near(statistics.median(gaps), ITL_MS)
+        assert all((r.events[0][0] - r.t0) * 1e3 < 20 for r in results)  # the role chunk is sent at once
+
+    await truth_check(fixed_srv, measure, check)
 
 
 @arun
@@ -226,18 +287,25 @@ async def test_chat_usage_counts_all_message_words(fixed_srv: FakeServer) -> Non
 
 @arun
 async def test_non_stream_both_apis(fixed_srv: FakeServer) -> None:
-    async with session() as s:
-        await stream(s, fixed_srv.url, max_tokens=1)
-        elapsed = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            async with s.post(fixed_srv.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 6}) as r:
-                comp = await r.json()
-            elapsed.append((time.perf_counter() - t0) * 1e3)
-        async with s.post(fixed_srv.url + "/v1/chat/completions",
-                          json={"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}) as r:
-            chat = await r.json()
-    assert near(min(elapsed), TTFT_MS + 5 * ITL_MS, 3.0), elapsed  # the body goes out when the last token is due
+    async def measure() -> tuple[list[float], dict[str, Any], dict[str, Any]]:
+        async with session() as s:
+            await stream(s, fixed_srv.url, max_tokens=1)
+            elapsed = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                async with s.post(fixed_srv.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 6}) as r:
+                    comp = await r.json()
+                elapsed.append((time.perf_counter() - t0) * 1e3)
+            async with s.post(fixed_srv.url + "/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}) as r:
+                chat = await r.json()
+        return elapsed, comp, chat
+
+    def check(data: tuple[list[float], dict[str, Any], dict[str, Any]]) -> None:
+        elapsed = data[0]  # the body goes out when the last token is due
+        assert near(min(elapsed), TTFT_MS + 5 * ITL_MS, 3.0), elapsed
+
+    _, comp, chat = await truth_check(fixed_srv, measure, check)
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "w0 w1 w2 w3 w4 w5 "
     assert comp["choices"][0]["finish_reason"] == "length"
     assert comp["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
@@ -249,15 +317,22 @@ async def test_non_stream_both_apis(fixed_srv: FakeServer) -> None:
 @arun
 async def test_tokens_per_chunk(fake_server: Callable[..., FakeServer]) -> None:
     srv = fake_server(ttft="30ms", itl="10ms", tokens_per_chunk=4)
-    async with session() as s:
-        await stream(s, srv.url, max_tokens=1)
-        rs = [await stream(s, srv.url, max_tokens=10, stream_options={"include_usage": True}) for _ in range(3)]
-    for r in rs:
-        assert r.texts == ["w0 w1 w2 w3 ", "w4 w5 w6 w7 ", "w8 w9 "]
-        assert r.finish_reasons == [None, None, "length"] and r.usage["completion_tokens"] == 10
-    times = [statistics.median((r.content()[j][0] - r.t0) * 1e3 for r in rs) for j in range(3)]
-    for t, last_token in zip(times, (3, 7, 9), strict=True):  # a chunk leaves when its last token is due
-        assert 30 + 10 * last_token - 0.2 <= t <= 30 + 10 * last_token + TOL_MS, times
+
+    async def measure() -> list[Stream]:
+        async with session() as s:
+            await stream(s, srv.url, max_tokens=1)
+            rs = [await stream(s, srv.url, max_tokens=10, stream_options={"include_usage": True}) for _ in range(3)]
+        for r in rs:
+            assert r.texts == ["w0 w1 w2 w3 ", "w4 w5 w6 w7 ", "w8 w9 "]
+            assert r.finish_reasons == [None, None, "length"] and r.usage["completion_tokens"] == 10
+        return rs
+
+    def check(rs: list[Stream]) -> None:
+        times = [min((r.content()[j][0] - r.t0) * 1e3 for r in rs) for j in range(3)]
+        for t, last_token in zip(times, (3, 7, 9), strict=True):  # a chunk leaves when its last token is due
+            assert 30 + 10 * last_token - 0.2 <= t <= 30 + 10 * last_token + TOL_MS, times
+
+    await truth_check(srv, measure, check)
 
 
 @arun
@@ -304,67 +379,83 @@ async def closed_loop(url: str, clients: int, rounds: int, tokens: int, chat: bo
 async def test_batching_two_clients_share_steps(fake_server: Callable[..., FakeServer]) -> None:
     srv = fake_server(slots=4, step_a="10ms", step_b="5ms")
     tokens = 25
-    t0 = time.perf_counter()
-    per_client = await closed_loop(srv.url, clients=2, rounds=3, tokens=tokens)
-    wall = time.perf_counter() - t0
     truth = batching_truth(2, 4, 0.010, 0.005, tokens)
     assert truth["tpot_s"] == pytest.approx(0.020)
-    steady = [r for rs in per_client for r in rs[1:]]
-    assert all(r.done and r.n_tokens == tokens for rs in per_client for r in rs)
-    gaps = [g for r in steady for g in r.gaps_ms]
-    assert near(statistics.median(gaps), 20.0, 1.0), gaps  # a + b*c with c = 2
-    assert truth["tpot_s_min"] * 1e3 - 1.0 <= statistics.mean(gaps) <= truth["tpot_s"] * 1e3 + 1.0
-    e2e = [(r.content()[-1][0] - r.t0) for r in steady]
-    assert statistics.mean(e2e) == pytest.approx(truth["e2e_s"], rel=0.04)
-    assert 2 * 3 * tokens / wall == pytest.approx(truth["throughput_tok_s"], rel=0.1)
+
+    async def measure() -> tuple[list[list[Stream]], float]:
+        t0 = time.perf_counter()
+        per_client = await closed_loop(srv.url, clients=2, rounds=3, tokens=tokens)
+        assert all(r.done and r.n_tokens == tokens for rs in per_client for r in rs)
+        return per_client, time.perf_counter() - t0
+
+    def check(data: tuple[list[list[Stream]], float]) -> None:
+        per_client, wall = data
+        steady = [r for rs in per_client for r in rs[1:]]
+        gaps = [g for r in steady for g in r.gaps_ms]
+        assert near(statistics.median(gaps), 20.0, 1.0), gaps  # a + b*c with c = 2
+        assert truth["tpot_s_min"] * 1e3 - 1.0 <= statistics.mean(gaps) <= truth["tpot_s"] * 1e3 + 1.0
+        e2e = [(r.content()[-1][0] - r.t0) for r in steady]
+        assert statistics.mean(e2e) == pytest.approx(truth["e2e_s"], rel=0.04)
+        assert 2 * 3 * tokens / wall == pytest.approx(truth["throughput_tok_s"], rel=0.1)
+
+    await truth_check(srv, measure, check, attempts=2)
     st = srv.stats()
-    assert st["max_running"] == 2 and st["requests_finished"] == 6
+    assert st["max_running"] == 2 and st["requests_finished"] % 6 == 0
 
 
 @arun
 async def test_batching_over_slots_queues_and_caps_the_batch(fake_server: Callable[..., FakeServer]) -> None:
     srv = fake_server(slots=4, step_a="10ms", step_b="5ms")
     tokens, clients = 12, 8
-    scraped: list[str] = []
-
-    async def scrape() -> None:
-        await asyncio.sleep(0.25)
-        async with session() as s, s.get(srv.url + "/metrics") as r:
-            scraped.append(await r.text())
-
-    loop_task = asyncio.ensure_future(closed_loop(srv.url, clients=clients, rounds=3, tokens=tokens))
-    await scrape()
-    per_client = await loop_task
     truth = batching_truth(clients, 4, 0.010, 0.005, tokens)
     assert truth["exact"] and truth["tpot_s"] == pytest.approx(0.030)
-    assert all(r.done and r.n_tokens == tokens for rs in per_client for r in rs)
-    gaps = [g for rs in per_client for r in rs for g in r.gaps_ms]
-    assert near(statistics.median(gaps), 30.0, 1.0) and near(statistics.mean(gaps), 30.0, 1.0)  # a + b*N
-    # the middle round is steady state (the first ramps up, the last drains as clients stop): exact truths
-    middle = [rs[1] for rs in per_client]
-    middle_gaps = [g for r in middle for g in r.gaps_ms]
-    assert near(statistics.mean(middle_gaps), 30.0, 1.0) and all(near(g, 30.0, 10.0) for g in middle_gaps)
-    ttft = [r.ttft_ms for r in middle]  # one step plus (c/N - 1) service times of queueing: 390 ms
-    assert statistics.mean(ttft) == pytest.approx(truth["ttft_s_steady"] * 1e3, rel=0.03), ttft
+
+    async def measure() -> tuple[list[list[Stream]], str]:
+        loop_task = asyncio.ensure_future(closed_loop(srv.url, clients=clients, rounds=3, tokens=tokens))
+        await asyncio.sleep(0.25)
+        async with session() as s, s.get(srv.url + "/metrics") as r:
+            scraped = await r.text()
+        per_client = await loop_task
+        assert all(r.done and r.n_tokens == tokens for rs in per_client for r in rs)
+        return per_client, scraped
+
+    def check(data: tuple[list[list[Stream]], str]) -> None:
+        per_client, _ = data
+        gaps = [g for rs in per_client for r in rs for g in r.gaps_ms]
+        assert near(statistics.median(gaps), 30.0, 1.0) and near(statistics.mean(gaps), 30.0, 1.0)  # a + b*N
+        # the middle round is steady state (the first ramps up, the last drains as clients stop): exact truths
+        middle = [rs[1] for rs in per_client]
+        middle_gaps = [g for r in middle for g in r.gaps_ms]
+        assert near(statistics.mean(middle_gaps), 30.0, 1.0) and all(near(g, 30.0, 10.0) for g in middle_gaps)
+        ttft = [r.ttft_ms for r in middle]  # one step plus (c/N - 1) service times of queueing: 390 ms
+        assert statistics.mean(ttft) == pytest.approx(truth["ttft_s_steady"] * 1e3, rel=0.03), ttft
+
+    _, scraped = await truth_check(srv, measure, check, attempts=2)
     metric = {m.group(1): float(m.group(2))
-              for m in re.finditer(r'^(vllm:[a-z_]+)\{model_name="fake-model"\} (\S+)$', scraped[0], re.M)}
+              for m in re.finditer(r'^(vllm:[a-z_]+)\{model_name="fake-model"\} (\S+)$', scraped, re.M)}
     assert metric["vllm:num_requests_running"] == 4 and metric["vllm:num_requests_waiting"] > 0
     assert metric["vllm:kv_cache_usage_perc"] == 1.0
     st = srv.stats()
-    assert st["max_running"] == 4 and st["max_waiting"] >= 4 and st["requests_finished"] == 24
+    assert st["max_running"] == 4 and st["max_waiting"] >= 4 and st["requests_finished"] % 24 == 0
 
 
 @arun
 async def test_batching_single_client_and_prefill(fake_server: Callable[..., FakeServer]) -> None:
     srv = fake_server(slots=2, step_a="10ms", step_b="2ms", prefill_per_token="0.1ms")
-    async with session() as s:
-        await stream(s, srv.url, max_tokens=1, prompt="x")
-        rs = [await stream(s, srv.url, max_tokens=8, prompt=" ".join(["w"] * 100)) for _ in range(3)]
-    # an idle engine starts at once: TTFT = a + b*1 + 100 prompt tokens * 0.1 ms; then a + b per token
-    ttft = statistics.median(r.ttft_ms for r in rs)
-    assert 22.0 - 0.2 <= ttft <= 22.0 + TOL_MS, ttft
-    gaps = [g for r in rs for g in r.gaps_ms]
-    assert near(statistics.mean(gaps), 12.0, 1.0), gaps
+
+    async def measure() -> list[Stream]:
+        async with session() as s:
+            await stream(s, srv.url, max_tokens=1, prompt="x")
+            return [await stream(s, srv.url, max_tokens=8, prompt=" ".join(["w"] * 100)) for _ in range(3)]
+
+    def check(rs: list[Stream]) -> None:
+        # an idle engine starts at once: TTFT = a + b*1 + 100 prompt tokens * 0.1 ms; then a + b per token
+        ttfts = [r.ttft_ms for r in rs]
+        assert 22.0 - 0.2 <= min(ttfts) <= 22.0 + TOL_MS, ttfts
+        gaps = [g for r in rs for g in r.gaps_ms]
+        assert near(statistics.mean(gaps), 12.0, 1.0), gaps
+
+    await truth_check(srv, measure, check)
 
 
 @arun
@@ -541,11 +632,18 @@ async def test_connection_counting(fake_server: Callable[..., FakeServer]) -> No
 async def test_thousand_concurrent_streams(fake_server: Callable[..., FakeServer]) -> None:
     srv = fake_server(ttft="1.5s", itl="50ms")
     n = 1000
-    async with session() as s:
-        rs = await asyncio.gather(*(stream(s, srv.url, max_tokens=10) for _ in range(n)))
-    assert all(r.done and r.n_tokens == 10 for r in rs)
-    gaps = [g for r in rs for g in r.gaps_ms]
-    assert near(statistics.median(gaps), 50.0, TOL_MS) and near(statistics.mean(gaps), 50.0, TOL_MS)
+
+    async def measure() -> list[Stream]:
+        async with session() as s:
+            rs = await asyncio.gather(*(stream(s, srv.url, max_tokens=10) for _ in range(n)))
+        assert all(r.done and r.n_tokens == 10 for r in rs)
+        return rs
+
+    def check(rs: list[Stream]) -> None:
+        gaps = [g for r in rs for g in r.gaps_ms]
+        assert near(statistics.median(gaps), 50.0, TOL_MS) and near(statistics.mean(gaps), 50.0, TOL_MS)
+
+    await truth_check(srv, measure, check, attempts=1)
     st = srv.stats()
     assert st["max_running"] == n and st["requests_finished"] == n and st["connections_opened"] >= n
 
@@ -574,6 +672,8 @@ async def test_info_endpoints_and_errors(fake_server: Callable[..., FakeServer])
     assert ok.done
     st = srv.stats()
     assert st["requests_rejected"] == 5 and st["requests_started"] == 1  # rejected ones take no arrival index
+    assert set(st["timer"]) == {"wakeups", "late_over_1ms", "late_over_5ms", "max_late_ms"}
+    assert st["timer"]["wakeups"] >= 2 and st["engine_steps"] is None and st["config"]["mode"] == "fixed"
 
 
 @arun
