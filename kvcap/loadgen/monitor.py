@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvcap.aio import cancel_and_wait
+
 LAG_WARN_MS = 10.0
 CPU_WARN = 0.85
 
@@ -35,12 +37,7 @@ class LoopMonitor:
             self.lags_ms.append(max(0.0, (time.perf_counter() - t - self.interval_s) * 1e3))
 
     async def stop(self) -> dict[str, float | list[str]]:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         wall = max(time.perf_counter() - self._wall0, 1e-9)
         cpu = (time.process_time() - self._cpu0) / wall
         lags = np.asarray(self.lags_ms) if self.lags_ms else np.zeros(1)

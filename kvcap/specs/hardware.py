@@ -69,20 +69,22 @@ def link_names() -> tuple[str, ...]:
     return tuple(sorted(_catalog("links.yaml")))
 
 
-def load_gpu(name: str) -> GpuSpec:
+def _entry(file: str, name: str, what: str) -> tuple[str, dict]:
     key = name.lower()
-    catalog = _catalog("gpus.yaml")
+    catalog = _catalog(file)
     if key not in catalog:
-        raise InputError(f"unknown GPU {name!r}: {close_matches(key, gpu_names())}")
-    return GpuSpec(key=key, **catalog[key])
+        raise InputError(f"unknown {what} {name!r}: {close_matches(key, tuple(sorted(catalog)))}")
+    return key, catalog[key]
+
+
+def load_gpu(name: str) -> GpuSpec:
+    key, entry = _entry("gpus.yaml", name, "GPU")
+    return GpuSpec(key=key, **entry)
 
 
 def load_link(name: str) -> LinkSpec:
-    key = name.lower()
-    catalog = _catalog("links.yaml")
-    if key not in catalog:
-        raise InputError(f"unknown link {name!r}: {close_matches(key, link_names())}")
-    return LinkSpec(key=key, **catalog[key])
+    key, entry = _entry("links.yaml", name, "link")
+    return LinkSpec(key=key, **entry)
 
 
 def host_link_for(gpu: GpuSpec) -> LinkSpec:

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcap.aio import cancel_and_wait
 from kvcap.telemetry.catalog import normalise
 
 
@@ -69,11 +70,6 @@ class MetricsSampler:
             await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
 
     async def stop(self, session: aiohttp.ClientSession | None = None) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         if session is not None:  # one last sample so counters cover the whole run
             await asyncio.gather(*(self._one(session, u) for u in self.urls))
