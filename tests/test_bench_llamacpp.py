@@ -55,3 +55,18 @@ def test_bench_llamacpp_matches_its_own_counters(gguf, tmp_path, api):
         assert lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0
     tps = [lv["output_tok_s"] for lv in summary["levels"]]
     assert tps[2] > tps[0]  # more streams, more tokens per second from 8 slots
+
+
+def test_llamacpp_error_inside_200_stream_is_classified(gguf, tmp_path):
+    # a unified KV pool of 256 tokens shared by 4 slots runs out mid-generation: llama.cpp then ends every
+    # in-flight stream with data: {"error": …} in an HTTP 200 and no [DONE]
+    out = tmp_path / "run"
+    with llama_server(gguf, parallel=4, ctx_size=256, extra_args=("--kv-unified",)) as url:
+        p = run_cli("bench", "--url", url, "--out", str(out), "--quiet", "--json", "--concurrency", "4",
+                    "--input-tokens", "20", "--output-tokens", "120", "--warmup", "0s", "--requests", "8",
+                    "--extra-body", '{"cache_prompt": false}', timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lv = json.loads(p.stdout)["levels"][0]
+    assert lv["error_classes"].get("server_error_in_stream", 0) >= 1, lv["error_classes"]
+    bad = [r for r in RunDir(out).records() if r["error"] == "server_error_in_stream"]
+    assert all(r["status"] == 200 and "Context size" in r["error_detail"] for r in bad)
