@@ -84,18 +84,28 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+try:  # a core dependency, but keep working without it
+    import orjson
+
+    _loads: Any = orjson.loads
+    _LOAD_ERRORS: tuple[type[Exception], ...] = (orjson.JSONDecodeError, json.JSONDecodeError)
+except ImportError:  # pragma: no cover - depends on the environment
+    _loads = json.loads
+    _LOAD_ERRORS = (json.JSONDecodeError,)
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """All complete lines; a torn or corrupt line (a killed writer's last) is skipped."""
     if not path.exists():
         return []
     out: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, "rb") as f:
         for line in f:
-            if not line.endswith("\n"):
+            if not line.endswith(b"\n"):
                 break
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                out.append(_loads(line))
+            except _LOAD_ERRORS:
                 continue
     return out
 

@@ -48,10 +48,13 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
         recs = by_level.get(key, [])
         reps = infos.get(key, {})
         if reps:
-            windows = [(reps[k]["measure_start_s"], reps[k]["measure_end_s"]) for k in sorted(reps)]
-        else:  # no level lines (e.g. a killed run): the span of its measured requests
-            starts = [r["start_s"] for r in recs if r.get("phase") == "measure"] or [0.0]
-            windows = [(min(starts), max(starts) + 1e-9)]
+            windows = {k: (reps[k]["measure_start_s"], reps[k]["measure_end_s"]) for k in sorted(reps)}
+        else:  # no level lines (e.g. a killed run): the span of its measured requests, per repeat
+            windows = {}
+            for rep in sorted({int(r.get("repeat", 0)) for r in recs}):
+                starts = [r["start_s"] for r in recs if r.get("phase") == "measure" and int(r.get("repeat", 0)) == rep]
+                if starts:
+                    windows[rep] = (min(starts), max(starts) + 1e-9)
         stats = summarize_level(recs, windows, slo=slo)
         failed = check_slo(stats, slo) if slo else []
         value = int(level) if level.is_integer() else level
@@ -61,7 +64,7 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
         if rates:
             entry["achieved_rate"] = round(float(np.median(rates)), 4)
         entry["client_warnings"] = sorted({w for i in reps.values() for w in (i.get("client") or {}).get("warnings", [])})
-        w0, w1 = windows[0]
+        w0, w1 = next(iter(windows.values()), (0.0, 0.0))
         level_running = [v for _, v in _in(running, w0, w1)]
         level_waiting = [v for _, v in _in(waiting, w0, w1)]
         if level_running:
@@ -72,7 +75,7 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
             entry["server_waiting_max"] = max(level_waiting)
         p = _in(preempt, w0, w1)
         entry["littles_law"] = littles_law(entry)
-        extra[mode][value] = {"stationarity": stationarity(recs, windows[0], _in(waiting, w0, w1) or None),
+        extra[mode][value] = {"stationarity": stationarity(recs, (w0, w1), _in(waiting, w0, w1) or None),
                               "preemptions": (p[-1][1] - p[0][1]) if len(p) >= 2 else 0}
         levels.append(entry)
     for mode in {lv["mode"] for lv in levels}:
