@@ -183,7 +183,18 @@ def summarize_level(records: list[dict[str, Any]], windows: dict[int, tuple[floa
                         count=a.n)
     out["send_delay_ms"] = percentiles(delay[measured])
     out["ci95"] = bootstrap_ci(a, ok, windows)
+    out["ci95"]["output_tok_s"] = repeats_ci(tok_s)
+    out["ci95"]["goodput_tok_s"] = repeats_ci(good_s)
     return out
+
+
+def repeats_ci(values: list[float], n_boot: int = 1000, seed: int = 0) -> list[float] | None:
+    """95% interval of the median over repeats (bootstrap over repeats); None with a single repeat."""
+    if len(values) < 2:
+        return None
+    v = np.asarray(values, float)
+    meds = np.median(v[np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))], axis=1)
+    return [round(float(x), 3) for x in np.percentile(meds, [2.5, 97.5])]
 
 
 def bootstrap_ci(a: LevelArrays, ok: np.ndarray, windows: dict[int, tuple[float, float]], n_boot: int = 200,
