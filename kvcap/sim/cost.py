@@ -6,7 +6,8 @@ model preset and GPU, millions of times per run. Each operator class is priced a
 not overlap a layer's GEMMs with its attention), so their times add:
 
 * GEMMs (QKV, O, gate+up, down, MoE experts, LM head): weights read once per step, activations in and out;
-  the compute side counts tokens rounded up to the GEMM tile (``gemm_token_tile``), the measured staircase.
+  past one GEMM tile the compute side counts tokens rounded up to the tile (``gemm_token_tile``), the
+  measured staircase.
 * attention: KV read for every token each sequence attends to, KV written for the new tokens, and the
   attention FLOPs (quadratic for prefill, linear in context for decode); kernels not measured here, so it
   uses the GEMM efficiencies unless the calibration names its own.
@@ -68,7 +69,9 @@ class Calibration(BaseModel):
     gemm_op_overhead_s: float = Field(ge=0)
     """c0: fixed time added to every GEMM op (launch, ramp, tail)."""
     gemm_token_tile: int = Field(ge=1)
-    """Tokens are rounded up to this multiple on the compute side (GEMM M-tile): the measured staircase."""
+    """Past one tile, tokens are rounded up to a multiple of this on the compute side (the GEMM M-tile): the
+    measured staircase. Below one tile the compute side counts the tokens themselves (small-M and GEMV
+    kernels; the data cannot tell, the memory side wins there)."""
     elementwise_efficiency: float = Field(gt=0, le=1)
     elementwise_op_floor_s: float = Field(ge=0)
     """An elementwise op never takes less than this (it is a floor, not an addend: that fits the data)."""
@@ -221,9 +224,10 @@ class BatchShape:
 class IterationCost:
     """One iteration on one GPU of the tp group. Seconds and bytes are per GPU; treat as read-only.
 
-    ``total_s = gemm_s + attn_s + elem_s + comm_s + overhead_s``. ``compute_s`` and ``memory_s`` are the
-    two sides of the GEMM and attention rooflines (memory also the elementwise ops); ``bound`` names the
-    larger, i.e. what a faster GPU would have to improve.
+    ``total_s = gemm_s + attn_s + elem_s + comm_s + overhead_s``. ``compute_s`` and ``memory_s`` split the
+    roofline time (everything but per-op overheads, communication and step overhead) by which side won each
+    term (elementwise ops count as memory); ``bound`` names the larger: what a faster GPU would have to
+    improve for this step.
     """
 
     total_s: float
@@ -250,7 +254,8 @@ class IterationCost:
     bound: Bound
 
 
-_EMPTY = IterationCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "memory")
+def _empty() -> IterationCost:
+    return IterationCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "memory")
 
 
 # ---------------------------------------------------------------------------------------------- operators
@@ -498,9 +503,9 @@ class CostModel:
         """Cost of one iteration over ``batch`` (see :class:`IterationCost` for the parts)."""
         t = batch.n_prefill_tokens + batch.n_decode
         if t <= 0:
-            return _EMPTY
+            return _empty()
         tile = self.calib.gemm_token_tile
-        tt = -(-t // tile) * tile  # compute side: whole GEMM tiles
+        tt = t if t <= tile else -(-t // tile) * tile  # compute side: whole GEMM tiles past the first
         gemm = compute = memory = flops = wbytes = abytes = 0.0
         for fc, wm, am, oc, f, w, a in self._gemm:
             c, m = fc * tt, wm + am * t
@@ -528,7 +533,7 @@ class CostModel:
             abytes += a * t
         s = batch.n_decode + batch.n_prefill_seqs
         fc, wm, am, oc, f, w, a = self._head
-        c, m = fc * (-(-s // tile) * tile), wm + am * s
+        c, m = fc * (s if s <= tile else -(-s // tile) * tile), wm + am * s
         if c > m:
             gemm += c + oc
             compute += c
@@ -596,16 +601,14 @@ class CostModel:
         if steps <= 0 or batch.n_decode <= 0:
             return 0.0
         n = batch.n_decode
-        if self._attn[3] or batch.decode_window_tokens is not None:
+        if self._attn[3]:  # sliding layers: each windowed context grows until it reaches the window
             window = self.model.sliding_window or 0
+            start = batch.decode_context_tokens if batch.decode_window_tokens is None else batch.decode_window_tokens
             total = 0.0
             for i in range(steps):
-                shape = BatchShape(n_decode=n, decode_context_tokens=batch.decode_context_tokens + i * n)
-                if window:
-                    base = batch.decode_context_tokens if batch.decode_window_tokens is None \
-                        else batch.decode_window_tokens
-                    shape.decode_window_tokens = min(base + i * n, n * window)
-                total += self.iteration_time(shape).total_s
+                total += self.iteration_time(BatchShape(
+                    n_decode=n, decode_context_tokens=batch.decode_context_tokens + i * n,
+                    decode_window_tokens=min(start + i * n, n * window) if window else None)).total_s
             return total
         first = self.iteration_time(batch)
         fpair, fkv, ftok = self._attn[:3]
@@ -622,7 +625,8 @@ class CostModel:
         pc = gemm_peak_flops(self.gpu, self.weights_dtype) * calib.compute_efficiency
         bm = self.gpu.memory_bandwidth_bytes_s * calib.memory_efficiency
         be = self.gpu.memory_bandwidth_bytes_s * calib.elementwise_efficiency
-        tt = _ceil_div(tokens, calib.gemm_token_tile) * calib.gemm_token_tile
+        tile = calib.gemm_token_tile
+        tt = tokens if tokens <= tile else _ceil_div(tokens, tile) * tile
         gemm = sum(max(op.flops_per_token * tt / pc, (op.weight_bytes + op.act_bytes_per_token * tokens) / bm)
                    + calib.gemm_op_overhead_s
                    for op in dense_layer_ops(self.model, self.tp, self.weights_dtype, self.act_bytes))

@@ -266,7 +266,7 @@ def model_from_config(cfg: dict[str, Any], name: str, source: str, num_parameter
     spec_kwargs: dict[str, Any] = dict(
         name=name, source=source, model_type=model_type, hidden_size=hidden, intermediate_size=intermediate,
         num_layers=n_layers, num_attention_heads=heads, num_kv_heads=int(kv_heads), head_dim=int(head_dim),
-        vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),  # HF default: tied
         attention="mla" if mla else "gqa",
         mla_kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
         mla_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0) if mla else 0,
