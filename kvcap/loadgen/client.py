@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
 from kvcap.workload.prompts import RequestSpec, TokenCounter
 
@@ -275,7 +276,7 @@ def _handle_event(event: bytes, o: Outcome, chat: bool, now: float) -> bool:
             o.done = True
             return True
         try:
-            obj = json.loads(payload)
+            obj = orjson.loads(payload)
         except ValueError:
             o.error, o.detail = "malformed_stream", f"bad JSON in event: {payload[:120]!r}"
             return True
