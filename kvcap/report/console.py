@@ -93,22 +93,30 @@ def _ms(d: dict | None, q: str) -> str:
 
 
 def render_levels(summary: dict, console: Console | None = None, title: str = "Per-level results") -> None:
-    """One row per level: counts, throughput, TTFT/TPOT/ITL/E2E p50/p95/p99, queue, SLO verdict."""
+    """One row per level: counts, throughput, TTFT/TPOT/ITL/E2E p50/p95/p99, queue, SLO verdict.
+
+    On a narrow terminal (< 140 columns) only p50/p95 of TTFT, TPOT and E2E are shown (summary.json has them all).
+    """
     con = console or make_console()
+    wide = con.width >= 140
+    qs = ("p50", "p95", "p99") if wide else ("p50", "p95")
+    metrics = ("ttft", "tpot", "itl", "e2e") if wide else ("ttft", "tpot", "e2e")
     t = Table(title=title, title_justify="left")
-    for col in ("level", "req", "ok", "err", "out tok/s", "TTFT p50/95/99 ms", "TPOT p50/95/99 ms",
-                "ITL p50/95/99 ms", "E2E p50/95/99 ms", "queue p95", "SLO"):
+    q_label = "/".join(q.lstrip("p") for q in qs)
+    cols = ["level", "req", "ok", "err", "out tok/s", *[f"{m.upper()} p{q_label} ms" for m in metrics]]
+    cols += ["queue p95", "SLO"] if wide else ["SLO"]
+    for col in cols:
         t.add_column(col, justify="left" if col in ("level", "SLO") else "right")
     for lv in summary.get("levels", []):
         mode = {"concurrency": "c", "rate": "λ", "trace": "trace×"}.get(lv["mode"], lv["mode"])
         level = f"{mode}={lv['level']:g}"
         if lv.get("achieved_rate") is not None:
             level += f" (got {lv['achieved_rate']:.2f}/s)"
-        trio = {m: "/".join(_ms(lv.get(f"{m}_ms"), q) for q in ("p50", "p95", "p99"))
-                for m in ("ttft", "tpot", "itl", "e2e")}
+        trio = ["/".join(_ms(lv.get(f"{m}_ms"), q) for q in qs) for m in metrics]
         slo = "–" if not summary.get("slo") else ("pass" if lv["slo_ok"] else "FAIL " + ",".join(lv["failed_checks"]))
-        t.add_row(level, str(lv["requests"]), str(lv["ok"]), str(lv["errors"]), f"{lv['output_tok_s']:.1f}",
-                  trio["ttft"], trio["tpot"], trio["itl"], trio["e2e"], _ms(lv.get("queue_ms"), "p95"), slo)
+        row = [level, str(lv["requests"]), str(lv["ok"]), str(lv["errors"]), f"{lv['output_tok_s']:.1f}", *trio]
+        row += [_ms(lv.get("queue_ms"), "p95"), slo] if wide else [slo]
+        t.add_row(*row)
     con.print(t)
     errs = {k: v for lv in summary.get("levels", []) for k, v in lv.get("error_classes", {}).items()}
     if errs:
