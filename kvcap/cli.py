@@ -558,7 +558,14 @@ def _cmd_ab(a: argparse.Namespace) -> int:
 
     exp = load_experiment(a.experiment)
     if a.set:
-        exp = Experiment.model_validate(apply_overrides(exp.model_dump(), parse_set(a.set)))
+        from pydantic import ValidationError
+
+        from kvcap.specs.scenario import validation_message
+
+        try:
+            exp = Experiment.model_validate(apply_overrides(exp.model_dump(), parse_set(a.set)))
+        except ValidationError as exc:
+            raise InputError(validation_message(exc, "--set")) from None
     out = Path(a.out)
     result = asyncio.run(_run_ab(exp, out, quiet=a.quiet or a.json))
     _write_report(result, out)
@@ -703,6 +710,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except InputError as exc:
         print(f"kvcap {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # unwritable --out, a file where a folder should be, …: the user's to fix
+        where = f" {exc.filename!r}" if getattr(exc, "filename", None) else ""
+        print(f"kvcap {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except RefusedComparison as exc:
         print(f"kvcap {args.command}: refused: {exc}", file=sys.stderr)

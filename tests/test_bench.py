@@ -253,3 +253,11 @@ def test_unreachable_server_is_classified_not_crashed(tmp_path):
     s = bench("http://127.0.0.1:9", tmp_path / "run", "--concurrency", "1", "--input-tokens", "4",
               "--output-tokens", "2", "--warmup", "0s", "--requests", "3", "--timeout", "2s")
     assert level(s, 1)["error_classes"] == {"connection": 3}
+
+
+def test_unwritable_out_is_one_line_exit_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    p = run_cli("bench", "--url", "http://127.0.0.1:9", "--concurrency", "1", "--requests", "1", "--warmup", "0s",
+                "--out", str(blocker / "run"), "--quiet")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "Not a directory" in p.stderr
