@@ -111,6 +111,9 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     took_effect = treatment_took_effect(sc, st)
     if took_effect is False:
         warnings.append("no server-side sign that the treatment took effect (running requests not higher)")
+    elif took_effect is None:
+        warnings.append("no server telemetry in these runs (bench --metrics-url): cannot tell whether the treatment "
+                        "took effect")
     if not caliber["equal"]:
         warnings.append("fixed variables differ: " + ", ".join(d["key"] for d in caliber["differences"]))
     return {"verdict": verdict, "control": arms["control"], "treatment": arms["treatment"],
