@@ -508,38 +508,23 @@ class CostModel:
         tt = t if t <= tile else -(-t // tile) * tile  # compute side: whole GEMM tiles past the first
         gemm = compute = memory = flops = wbytes = abytes = 0.0
         for fc, wm, am, oc, f, w, a in self._gemm:
-            c, m = fc * tt, wm + am * t
-            if c > m:
-                gemm += c + oc
-                compute += c
-            else:
-                gemm += m + oc
-                memory += m
+            dg, dc, dm = _roofline(fc * tt, wm + am * t, oc)
+            gemm, compute, memory = gemm + dg, compute + dc, memory + dm
             flops += f * t
             wbytes += w
             abytes += a * t
         if self._moe is not None:
             fc, wm, n_exp, idle, am, oc, f, w, a = self._moe
             touched = n_exp * (1.0 - idle ** t)  # expected distinct experts hit by t tokens
-            c, m = fc * t, wm * touched + am * t
-            if c > m:
-                gemm += c + oc
-                compute += c
-            else:
-                gemm += m + oc
-                memory += m
+            dg, dc, dm = _roofline(fc * t, wm * touched + am * t, oc)
+            gemm, compute, memory = gemm + dg, compute + dc, memory + dm
             flops += f * t
             wbytes += w * touched
             abytes += a * t
         s = batch.n_decode + batch.n_prefill_seqs
         fc, wm, am, oc, f, w, a = self._head
-        c, m = fc * (s if s <= tile else -(-s // tile) * tile), wm + am * s
-        if c > m:
-            gemm += c + oc
-            compute += c
-        else:
-            gemm += m + oc
-            memory += m
+        dg, dc, dm = _roofline(fc * (s if s <= tile else -(-s // tile) * tile), wm + am * s, oc)
+        gemm, compute, memory = gemm + dg, compute + dc, memory + dm
         flops += f * s
         wbytes += w
         abytes += a * s
@@ -684,6 +669,13 @@ def cost_model(model: ModelSpec, gpu: GpuSpec, *, tp: int = 1, weights_dtype: st
     _CACHE[key] = (model, gpu, calib, tp_link, cm)
     return cm
 
+
+
+def _roofline(compute_s: float, memory_s: float, overhead_s: float) -> tuple[float, float, float]:
+    """One op class: the slower of its compute and memory times plus its overhead, and which side bound it."""
+    if compute_s > memory_s:
+        return compute_s + overhead_s, compute_s, 0.0
+    return memory_s + overhead_s, 0.0, memory_s
 
 def iteration_time(model: ModelSpec, gpu: GpuSpec, batch: BatchShape, *, tp: int = 1,
                    weights_dtype: str = "bf16", kv_dtype: str = "auto", act_bytes: float = 2.0,
