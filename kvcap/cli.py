@@ -358,6 +358,175 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 
 
+# ---------------------------------------------------------------- sim, demo
+
+SIM_EXAMPLES = """
+examples:
+  kvcap sim scenarios/seed-reference.yaml --out runs/sim-control
+  kvcap sim scenarios/seed-reference.yaml --set serving.kv_offload=remote --arm treatment --out runs/sim-treatment
+  kvcap sim scenarios/seed-reference.yaml --set cluster.interconnect.bandwidth=400Gbps --concurrency 48,64,96 \\
+            --duration 30s --repeats 1 --out runs/sim-400g
+  kvcap sim scenarios/seed-reference.yaml --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \\
+            --set serving.kv_offload=remote --duration 300s --out runs/sim-mooncake
+"""
+
+
+def _add_load_overrides(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load (override the scenario's load section)")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--concurrency", metavar="LIST", help="closed-loop levels, e.g. 8,16,24")
+    m.add_argument("--rate", metavar="LIST", help="open-loop levels in req/s, e.g. 0.5,1,2")
+    m.add_argument("--trace", metavar="FILE", help="replay a trace: Mooncake JSONL, Splitwise/Azure CSV, kvcap JSONL")
+    g.add_argument("--trace-speed", type=_positive_float, default=1.0, help="trace time compression (1)")
+    g.add_argument("--arrival", help="open-loop process: poisson | constant | gamma:cv=X")
+    g.add_argument("--warmup", metavar="DURATION")
+    g.add_argument("--duration", metavar="DURATION")
+    g.add_argument("--requests", type=_positive_int, help="measured requests per level (instead of --duration)")
+    g.add_argument("--repeats", type=_positive_int)
+    g.add_argument("--input-tokens", metavar="DIST", help="N | uniform:a,b | normal:m,sd | lognormal:m,sd")
+    g.add_argument("--output-tokens", metavar="DIST")
+    g.add_argument("--seed", type=int, default=0, help="length and arrival seed (0)")
+    g.add_argument("--slo", metavar="SPEC", help="e.g. ttft_p95=500ms,tpot_p95=80ms (default: the scenario's)")
+    g.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any scenario key (repeatable)")
+
+
+def _add_sim(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sim", help="simulate a cluster (replicas, KV tiers, links, vLLM-style batching) and write a run directory",
+        description=_doc("""
+            Runs the scenario's load plan (or --trace) against a simulated cluster and writes the same run directory
+            as bench — requests.jsonl, levels.jsonl, telemetry.jsonl (running/waiting/parked, KV and tier usage,
+            preemptions, GPU and link utilisation), manifest.json (source "sim") and summary.json — so analyze,
+            compare and report work unchanged. Each level starts from an empty cluster.
+        """), epilog=SIM_EXAMPLES, formatter_class=_formatter)
+    p.add_argument("scenario", metavar="SCENARIO.yaml")
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--arm", help="arm name for A/B (stored in the manifest)")
+    p.add_argument("--no-itl", action="store_true", help="do not store per-token gaps (smaller records)")
+    p.add_argument("--json", action="store_true", help="print summary.json at the end")
+    p.add_argument("--quiet", action="store_true", help="no per-level lines")
+    _add_load_overrides(p)
+    p.set_defaults(func=_cmd_sim)
+
+
+def _sim_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    from kvcap.specs.scenario import parse_set
+
+    out: dict[str, Any] = parse_set(a.set)
+    if a.concurrency:
+        out["load.concurrency"] = [int(x) for x in _levels(a.concurrency, "--concurrency", True)]
+        out["load.rate"] = None
+    if a.rate:
+        out["load.rate"] = list(_levels(a.rate, "--rate", False))
+        out["load.concurrency"] = None
+    flags = {"load.arrival": a.arrival, "load.warmup": a.warmup, "load.duration": a.duration,
+             "load.requests": a.requests, "load.repeats": a.repeats, "workload.input_tokens": a.input_tokens,
+             "workload.output_tokens": a.output_tokens}
+    out.update({k: v for k, v in flags.items() if v is not None})
+    if a.requests and not a.duration:
+        out["load.duration"] = None
+    return out
+
+
+def _sim_config(a: argparse.Namespace) -> Any:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from kvcap.analysis.slo import parse_slo
+    from kvcap.sim.run import SimConfig, load_plan_from
+    from kvcap.specs.scenario import load_scenario
+    from kvcap.workload.trace import read_trace
+
+    scenario = load_scenario(a.scenario, _sim_overrides(a))
+    if a.trace:
+        ld = scenario.load
+        plan = load_plan_from(scenario.model_copy(update={"load": ld.model_copy(update={"concurrency": [1]})}), a.seed)
+        plan = replace(plan, mode="trace", levels=(a.trace_speed,), trace=tuple(read_trace(a.trace)),
+                       trace_speed=a.trace_speed, duration_s=None if a.requests and not a.duration else plan.duration_s)
+    else:
+        plan = load_plan_from(scenario, a.seed)
+    slo = parse_slo(a.slo) if a.slo else parse_slo(scenario.slo)
+    return SimConfig(scenario=scenario, plan=plan, out=Path(a.out), slo=slo, arm=a.arm, overwrite=a.overwrite,
+                     record_itl=not a.no_itl, trace_file=a.trace)
+
+
+def _level_line(prefix: str = "") -> Callable[[dict[str, Any]], None]:
+    def show(info: dict[str, Any]) -> None:
+        s = info["sim"]
+        print(f"{prefix}{info['mode']} {info['level']:g} (repeat {info['repeat']}): {s['finished']} requests, "
+              f"{s['simulated_s']:.0f} s simulated in {s['wall_s']:.2f} s", file=sys.stderr)
+    return show
+
+
+def _cmd_sim(a: argparse.Namespace) -> int:
+    from kvcap.report.console import render_levels
+    from kvcap.sim.run import run_sim
+
+    cfg = _sim_config(a)
+    summary = run_sim(cfg, progress=None if (a.quiet or a.json) else _level_line())
+    if a.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        render_levels(summary, title=f"kvcap sim → {cfg.out}")
+        s = summary["sim"]
+        print(f"{s['requests']:,} requests, {s['simulated_s']:,.0f} s simulated in {s['engine_wall_s']:.2f} s "
+              f"({s['realtime_factor']:,.0f}× real time)")
+    return 130 if summary.get("interrupted") else 0
+
+
+DEMO_EXAMPLES = """
+examples:
+  kvcap demo
+  kvcap demo --out runs/demo --set cluster.interconnect.bandwidth=400Gbps
+  kvcap demo --set load.repeats=1 --set load.duration=30s
+"""
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="the article's reference A/B, simulated (no GPU): verdict, table and report.html",
+        description=_doc("""
+            Simulates the article's reference cluster (4 nodes x one 24 GB GPU, 100 Gbps, a 7B model, ~1024 in /
+            256 out) twice — KV in VRAM only, and KV allowed to spill to a distributed memory pool — at every
+            level with repeats, then prints the side-by-side table and the verdict and writes DIR/control/,
+            DIR/treatment/, DIR/compare.json and DIR/report.html. The scenario is seed-reference-ab.yaml.
+        """), epilog=DEMO_EXAMPLES, formatter_class=_formatter)
+    p.add_argument("--out", default="kvcap-demo", metavar="DIR", help="where to write (kvcap-demo; replaced)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a scenario key for both arms")
+    p.add_argument("--json", action="store_true", help="print compare.json")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from kvcap.experiment import load_any_experiment, packaged_scenario
+
+    exp = load_any_experiment(str(packaged_scenario("seed-reference-ab.yaml")))
+    return _run_sim_ab(exp, a.out, a.set, a.json, a.quiet)
+
+
+def _run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, quiet: bool) -> int:
+    import time
+    from pathlib import Path
+
+    from kvcap.experiment import run_sim_experiment
+    from kvcap.report.console import render_compare
+    from kvcap.specs.scenario import parse_set
+
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    show = None if (quiet or as_json) else (lambda arm, info: _level_line(f"{arm}: ")(info))
+    result = run_sim_experiment(exp, out, parse_set(sets), progress=show)
+    _write_report(result, out)
+    if as_json:
+        print(json.dumps({k: v for k, v in result.items() if k != "summaries"}, indent=2))
+    else:
+        render_compare(result)
+        print(f"simulated both arms in {time.perf_counter() - t0:.1f} s; report: {out / 'report.html'}")
+    return 0
+
+
 # ---------------------------------------------------------------- analyze
 
 ANALYZE_EXAMPLES = """
@@ -390,7 +559,7 @@ def _cmd_analyze(a: argparse.Namespace) -> int:
     run = RunDir(a.dir)
     old = run.summary or {}
     summary = build_summary(run, slo=parse_slo(a.slo) if a.slo else None)
-    for key in ("client", "interrupted", "telemetry_samples"):
+    for key in ("client", "interrupted", "telemetry_samples", "sim"):
         if key in old:
             summary[key] = old[key]
     write_json_atomic(run.dir / SUMMARY, summary)
@@ -552,10 +721,13 @@ def _cmd_ab(a: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from kvcap.experiment import Experiment, load_experiment
+    from kvcap.experiment import Experiment, SimExperiment, load_any_experiment, load_experiment
     from kvcap.report.console import render_compare
     from kvcap.specs.scenario import apply_overrides, parse_set
 
+    exp = load_any_experiment(a.experiment)
+    if isinstance(exp, SimExperiment):
+        return _run_sim_ab(exp, a.out, a.set, a.json, a.quiet)
     exp = load_experiment(a.experiment)
     if a.set:
         from pydantic import ValidationError
@@ -683,7 +855,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench, _add_analyze, _add_compare, _add_ab, _add_report, _add_audit]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_plan, _add_bench, _add_sim, _add_analyze, _add_compare, _add_ab, _add_report, _add_audit, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -197,3 +197,81 @@ async def run_experiment(exp: Experiment, out: Path, progress: Progress | None =
     result["schedule"] = order
     write_json_atomic(out / "compare.json", {k: v for k, v in result.items() if k != "summaries"})
     return result
+
+
+# ---------------------------------------------------------------- simulated A/B (``scenario:`` experiments, demo)
+
+
+class SimArm(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    set: dict[str, Any] = Field(default_factory=dict)
+    """Scenario keys this arm changes (the variables under test), e.g. ``{serving.kv_offload: remote}``."""
+
+
+class SimExperiment(BaseModel):
+    """Two arms of one scenario file, simulated; every key but the arms' ``set`` values is shared."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "ab"
+    description: str = ""
+    scenario: str
+    """Scenario YAML, relative to the experiment file."""
+    set: dict[str, Any] = Field(default_factory=dict)
+    """Overrides applied to both arms."""
+    arms: list[SimArm]
+
+    @field_validator("arms")
+    @classmethod
+    def _two_arms(cls, v: list[SimArm]) -> list[SimArm]:
+        if len(v) != 2 or v[0].name == v[1].name:
+            raise ValueError("an experiment has exactly two arms with different names (control first)")
+        return v
+
+
+def load_any_experiment(path: str) -> Experiment | SimExperiment:
+    """A bench experiment (arms with URLs) or a simulated one (``scenario:`` + arms with ``set``)."""
+    data = read_yaml(path, "experiment")
+    if "scenario" not in data:
+        return load_experiment(path)
+    try:
+        exp = SimExperiment.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(validation_message(exc, path)) from None
+    scenario = Path(exp.scenario)
+    if not scenario.is_absolute():
+        scenario = Path(path).parent / scenario
+    return exp.model_copy(update={"scenario": str(scenario)})
+
+
+def run_sim_experiment(exp: SimExperiment, out: Path, overrides: dict[str, Any] | None = None,
+                       progress: Any = None) -> dict[str, Any]:
+    """Both arms through the simulator (each from an empty cluster, so interleaving has nothing to cancel),
+    then the comparison (``compare.json``)."""
+    from kvcap.analysis.verdict import compare
+    from kvcap.sim.run import SimConfig, load_plan_from, run_sim
+    from kvcap.specs.scenario import load_scenario
+
+    out.mkdir(parents=True, exist_ok=True)
+    under_test = sorted({*exp.arms[0].set, *exp.arms[1].set})
+    shared = {**exp.set, **(overrides or {})}
+    scenarios = {arm.name: load_scenario(exp.scenario, {**shared, **arm.set}) for arm in exp.arms}
+    slo = parse_slo(scenarios[exp.arms[0].name].slo)
+    for arm in exp.arms:
+        sc = scenarios[arm.name]
+        cfg = SimConfig(scenario=sc, plan=load_plan_from(sc), out=out / arm.name, slo=slo, arm=arm.name,
+                        under_test=under_test, overwrite=True)
+        run_sim(cfg, progress=(lambda info, name=arm.name: progress(name, info)) if progress else None)
+    result = compare(str(out / exp.arms[0].name), str(out / exp.arms[1].name), slo=slo)
+    write_json_atomic(out / "compare.json", {k: v for k, v in result.items() if k != "summaries"})
+    return result
+
+
+def packaged_scenario(name: str) -> Path:
+    """A scenario or experiment file shipped inside the package (``kvcap/scenarios/``)."""
+    from importlib import resources
+
+    path = Path(str(resources.files("kvcap") / "scenarios" / name))
+    if not path.is_file():
+        raise InputError(f"packaged scenario {name!r} not found")
+    return path

@@ -268,7 +268,7 @@ def plan(inputs: PlanInputs) -> PlanResult:
 
     tok_gpu = kv_bytes_per_token(model, elem, tp, pp)
     blocks = int(usable // (tok_gpu * sv.block_size))
-    tokens_req = wl.input_tokens + wl.output_tokens
+    tokens_req = wl.input_mean + wl.output_mean
     req_gpu = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size, tp, pp)
     req_total = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size)
     if model.max_position_embeddings and tokens_req > model.max_position_embeddings:
@@ -313,7 +313,7 @@ def plan(inputs: PlanInputs) -> PlanResult:
         gpu_memory_utilization=sv.gpu_memory_utilization, activation_peak_bytes_per_gpu=act,
         runtime_overhead_bytes_per_gpu=sv.runtime_overhead, reserve_bytes_per_gpu=sv.reserve,
         usable_kv_bytes_per_gpu=usable, block_size=sv.block_size, kv_blocks_per_gpu=blocks,
-        kv_tokens_per_gpu=blocks * sv.block_size, input_tokens=wl.input_tokens, output_tokens=wl.output_tokens,
+        kv_tokens_per_gpu=blocks * sv.block_size, input_tokens=wl.input_mean, output_tokens=wl.output_mean,
         tokens_per_request=tokens_req, kv_bytes_per_request=req_total, kv_bytes_per_request_per_gpu=req_gpu,
         max_num_seqs=sv.max_num_seqs, resident_requests=resident,
         resident_requests_per_gpu={k: v / cl.gpus for k, v in resident.items()}, tiers=tiers,

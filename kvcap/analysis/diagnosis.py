@@ -38,6 +38,11 @@ def diagnose(summary: dict[str, Any], arm: str = "run") -> list[dict[str, Any]]:
     first, last = levels[0], levels[-1]
     tp0, tp1 = _p(first, "tpot"), _p(last, "tpot")
     tt0, tt1 = _p(first, "ttft"), _p(last, "ttft")
+    full = _kv_full(levels)
+    if full is not None:
+        out.append(full | {"arm": arm})
+        out += _link(levels, arm)
+        return out
     waiting = [lv for lv in levels if (lv.get("server_waiting_mean") or 0) >= 0.5]
     queued = waiting or [lv for lv in levels if tt0 and _p(lv, "ttft") and _p(lv, "ttft") > 2 * tt0 + 5 * (tp0 or 0)]
     if tp0 and tp1:
@@ -64,13 +69,51 @@ def diagnose(summary: dict[str, Any], arm: str = "run") -> list[dict[str, Any]]:
             out.append({"arm": arm, "bound": "compute", "evidence": ev,
                         "direction": "the GPU is the limit, not memory: more memory won't raise stable "
                                      "concurrency; add compute (GPUs/replicas), quantize, or cap the batch"})
-    util = [lv.get("link_util_max") for lv in levels if lv.get("link_util_max") is not None]
-    if util and max(util) >= 0.8:
-        out.append({"arm": arm, "bound": "interconnect", "evidence": f"link utilisation up to {max(util):.0%}",
-                    "direction": "remote KV traffic saturates the link: faster interconnect, keep hot KV local, or "
-                                 "offload only cold prefixes"})
+    out += _link(levels, arm)
     if not out:
         out.append({"arm": arm, "bound": "none_seen",
                     "evidence": f"TPOT p50 {tp0} → {tp1} ms, no queueing seen up to c={last['level']}",
                     "direction": "no bottleneck reached: extend the sweep to higher load"})
     return out
+
+
+KV_FULL = 0.9
+"""KV usage (of HBM blocks) at which the cache counts as full."""
+
+
+def _kv_full(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Server telemetry shows the KV cache full while requests wait (or sit parked in a lower tier)."""
+    for i, lv in enumerate(levels):
+        held = (lv.get("server_waiting_mean") or 0) + (lv.get("server_parked_mean") or 0)
+        if (lv.get("kv_usage_max") or 0) < KV_FULL or held < 0.5:
+            continue
+        before = levels[i - 1] if i else lv
+        tp_a, tp_b = _p(before, "tpot"), _p(levels[-1], "tpot")
+        parked = lv.get("server_parked_mean") or 0
+        ev = (f"from c={lv['level']} the KV cache is {lv['kv_usage_max']:.0%} full with "
+              f"{lv.get('server_waiting_mean') or 0:.1f} requests waiting")
+        if parked:
+            ev += f" and {parked:.1f} parked in a lower tier"
+        if lv.get("server_running_max") is not None:
+            ev += f"; at most {lv['server_running_max']:.0f} run (decode) at once"
+        if tp_a and tp_b:
+            ev += f"; TPOT p50 {tp_a:.1f} → {tp_b:.1f} ms from c={before['level']} to c={levels[-1]['level']}"
+        if parked >= 0.5:
+            direction = ("the offload tier holds the extra requests but only HBM-resident ones decode: it raises "
+                         "resident capacity, not stable concurrency; more KV room in HBM (fp8 KV cache, a GQA model, "
+                         "bigger or more GPUs) would")
+        else:
+            direction = ("VRAM for KV binds while compute has headroom: more KV room in HBM (fp8 KV cache, a GQA model, "
+                         "bigger or more GPUs) raises stable concurrency; an offload tier holds waiting requests but "
+                         "cannot decode them, so it helps only where it saves prefill (reused prefixes)")
+        return {"bound": "kv_capacity", "evidence": ev, "direction": direction}
+    return None
+
+
+def _link(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
+    util = [lv.get("link_util_max") for lv in levels if lv.get("link_util_max") is not None]
+    if util and max(util) >= 0.8:
+        return [{"arm": arm, "bound": "interconnect", "evidence": f"link utilisation up to {max(util):.0%}",
+                 "direction": "remote KV traffic saturates the link: faster interconnect, keep hot KV local, or "
+                              "offload only cold prefixes"}]
+    return []

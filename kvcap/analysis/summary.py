@@ -25,6 +25,32 @@ def _series(telemetry: list[dict[str, Any]], name: str) -> list[tuple[float, flo
     return sorted(acc.items())
 
 
+def _add_series(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    acc: dict[float, float] = defaultdict(float)
+    for t, v in a + b:
+        acc[t] += v
+    return sorted(acc.items())
+
+
+def _series_max(telemetry: list[dict[str, Any]], name: str) -> list[tuple[float, float]]:
+    """The largest value per sample time (e.g. the busiest link)."""
+    acc: dict[float, float] = {}
+    for row in telemetry:
+        if row.get("name") == name:
+            t = float(row["t_s"])
+            acc[t] = max(acc.get(t, float("-inf")), float(row["value"]))
+    return sorted(acc.items())
+
+
+def _series_mean(telemetry: list[dict[str, Any]], name: str) -> list[tuple[float, float]]:
+    """The mean over labels per sample time (e.g. GPU utilisation across replicas)."""
+    acc: dict[float, list[float]] = defaultdict(list)
+    for row in telemetry:
+        if row.get("name") == name:
+            acc[float(row["t_s"])].append(float(row["value"]))
+    return sorted((t, float(np.mean(v))) for t, v in acc.items())
+
+
 def _in(series: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
     return [(t, v) for t, v in series if t0 <= t <= t1]
 
@@ -34,7 +60,12 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
     records = run.records()
     telemetry = run.telemetry()
     running, waiting = _series(telemetry, "server.requests_running"), _series(telemetry, "server.requests_waiting")
+    parked = _series(telemetry, "server.requests_parked")
+    resident_series = _add_series(running, parked) if parked else running
     preempt = _series(telemetry, "server.preemptions_total")
+    link_util = _series_max(telemetry, "link.util")
+    gpu_util = _series_mean(telemetry, "gpu.util")
+    kv_usage = _series_mean(telemetry, "server.kv_usage")
     by_level: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         by_level[level_key(r)].append(r)
@@ -73,6 +104,15 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
         if level_waiting:
             entry["server_waiting_mean"] = round(float(np.mean(level_waiting)), 3)
             entry["server_waiting_max"] = max(level_waiting)
+        level_parked = [v for _, v in _in(parked, w0, w1)]
+        if level_parked:
+            entry["server_parked_max"] = max(level_parked)
+            entry["server_parked_mean"] = round(float(np.mean(level_parked)), 3)
+        for key, series, fn in (("link_util_max", link_util, max), ("gpu_util_mean", gpu_util, np.mean),
+                                ("kv_usage_mean", kv_usage, np.mean), ("kv_usage_max", kv_usage, max)):
+            vals = [v for _, v in _in(series, w0, w1)]
+            if vals:
+                entry[key] = round(float(fn(vals)), 4)
         p = _in(preempt, w0, w1)
         entry["littles_law"] = littles_law(entry)
         extra[mode][value] = {"stationarity": stationarity(recs, (w0, w1), _in(waiting, w0, w1) or None),
@@ -81,6 +121,8 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
     for mode in {lv["mode"] for lv in levels}:
         apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])
     summary = {"source": run.manifest.get("source"), "arm": run.manifest.get("arm"), "slo": slo,
-               "levels": levels, "capacity": capacities(levels, slo, running, waiting)}
+               "levels": levels, "capacity": capacities(levels, slo, resident_series, waiting)}
+    if parked:
+        summary["capacity"]["resident_source"] = "telemetry:running+parked"
     summary["diagnosis"] = diagnose(summary, run.manifest.get("arm") or "run")
     return summary

@@ -110,7 +110,7 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     warnings = []
     took_effect = treatment_took_effect(sc, st)
     if took_effect is False:
-        warnings.append("no server-side sign that the treatment took effect (running requests not higher)")
+        warnings.append("no server-side sign that the treatment took effect (no more requests running or parked)")
     elif took_effect is None:
         warnings.append("no server telemetry in these runs (bench --metrics-url): cannot tell whether the treatment "
                         "took effect")
@@ -157,9 +157,13 @@ def _per_level(sc: dict[str, Any], st: dict[str, Any], gc: dict, gt: dict,
 
 
 def treatment_took_effect(sc: dict[str, Any], st: dict[str, Any]) -> bool | None:
-    """True/False from server telemetry (more requests running at the same level); None without telemetry."""
-    pairs = [(a.get("server_running_max"), b.get("server_running_max"))
-             for a in sc["levels"] for b in st["levels"] if a["level"] == b["level"]]
+    """True/False from server telemetry (more requests held — running, or parked in a tier — at the same level);
+    None without telemetry."""
+    def held(lv: dict[str, Any]) -> float | None:
+        running = lv.get("server_running_max")
+        return None if running is None else running + (lv.get("server_parked_max") or 0)
+
+    pairs = [(held(a), held(b)) for a in sc["levels"] for b in st["levels"] if a["level"] == b["level"]]
     pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
     if not pairs:
         return None

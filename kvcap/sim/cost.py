@@ -29,6 +29,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -602,6 +603,30 @@ class CostModel:
         rest = first.total_s - max(c0, m0)  # everything but the full-attention roofline is constant
         return steps * rest + _sum_max_lines(c0, fpair * n, m0, fkv * n, steps)
 
+    def decode_step_times(self, batch: BatchShape, steps: int) -> np.ndarray:
+        """Seconds of each of ``steps`` successive pure-decode iterations (contexts growing by one per step).
+
+        The per-step form of :meth:`decode_steps_time` (same sum), as one numpy vector: the simulator needs
+        every step's end to time each token without looping in Python."""
+        if steps <= 0 or batch.n_decode <= 0:
+            return np.zeros(0)
+        if batch.n_prefill_tokens or batch.n_prefill_seqs:
+            raise ValueError("decode_step_times takes a pure-decode batch (no prefill chunks)")
+        n = batch.n_decode
+        if self._attn[3]:
+            window = self.model.sliding_window or 0
+            start = batch.decode_context_tokens if batch.decode_window_tokens is None else batch.decode_window_tokens
+            return np.fromiter((self.iteration_time(BatchShape(
+                n_decode=n, decode_context_tokens=batch.decode_context_tokens + i * n,
+                decode_window_tokens=min(start + i * n, n * window) if window else None)).total_s
+                for i in range(steps)), float, count=steps)
+        first = self.iteration_time(batch)
+        fpair, fkv = self._attn[0], self._attn[1]
+        ctx = batch.decode_context_tokens
+        c0, m0 = fpair * ctx, fkv * ctx + self._attn[2] * n
+        i = np.arange(steps, dtype=float)
+        return (first.total_s - max(c0, m0)) + np.maximum(c0 + fpair * n * i, m0 + fkv * n * i)
+
     def layer_times(self, tokens: int) -> tuple[float, float]:
         """(GEMM s, elementwise s) of one dense attention + MLP layer over ``tokens``: what Vidur measured."""
         if tokens <= 0:
@@ -670,12 +695,12 @@ def cost_model(model: ModelSpec, gpu: GpuSpec, *, tp: int = 1, weights_dtype: st
     return cm
 
 
-
 def _roofline(compute_s: float, memory_s: float, overhead_s: float) -> tuple[float, float, float]:
     """One op class: the slower of its compute and memory times plus its overhead, and which side bound it."""
     if compute_s > memory_s:
         return compute_s + overhead_s, compute_s, 0.0
     return memory_s + overhead_s, 0.0, memory_s
+
 
 def iteration_time(model: ModelSpec, gpu: GpuSpec, batch: BatchShape, *, tp: int = 1,
                    weights_dtype: str = "bf16", kv_dtype: str = "auto", act_bytes: float = 2.0,

@@ -58,6 +58,8 @@ class ClusterSpec(_Strict):
     """Node NIC to the other nodes / the remote memory pool, per node."""
     remote_memory: Size | None = None
     """Size of the distributed/remote memory pool available to the KV cache, whole cluster."""
+    remote_memory_bandwidth: Bandwidth | None = None
+    """The pool's own aggregate bandwidth (a memory server's NIC); default: only the nodes' NICs limit it."""
 
     @property
     def gpus(self) -> int:
@@ -100,6 +102,11 @@ class ServingSpec(_Strict):
     """Non-KV, non-weight, non-activation GPU memory (CUDA/cuBLAS/NCCL workspaces, allocator slack, graphs)."""
     reserve: int = Field(default=0, ge=0)
     """Extra per-GPU safety margin (bytes) kept out of the KV pool."""
+    offload_admission: Literal["tiers", "hbm"] = "tiers"
+    """With an offload tier: ``tiers`` admits past HBM (prefill, first token, park the KV in the tier until HBM has
+    room for the whole sequence to decode); ``hbm`` keeps vLLM's rule (tiers hold preempted KV and prefixes)."""
+    routing: Literal["round_robin", "least_loaded", "kv_aware"] = "least_loaded"
+    """How requests are spread over replicas (kv_aware: the longest cached prefix, then the least loaded)."""
 
     @field_validator("reserve", mode="before")
     @classmethod
@@ -112,9 +119,34 @@ class ServingSpec(_Strict):
                 "host+remote": ("hbm", "host", "remote")}[self.kv_offload]
 
 
+def _length(v: Any) -> int | str:
+    """A fixed token count, or a distribution spec as bench takes it (``uniform:128,256``, ``normal:1024,64``)."""
+    from kvcap.workload.lengths import parse_length
+
+    dist = parse_length(v, "token length")
+    return int(dist.a) if dist.kind == "fixed" else dist.spec
+
+
+Length = Annotated[int | str, BeforeValidator(_length)]
+
+
 class WorkloadSpec(_Strict):
-    input_tokens: int = Field(default=1024, ge=1)
-    output_tokens: int = Field(default=256, ge=1)
+    input_tokens: Length = 1024
+    output_tokens: Length = 256
+
+    @property
+    def input_mean(self) -> int:
+        return _mean(self.input_tokens)
+
+    @property
+    def output_mean(self) -> int:
+        return _mean(self.output_tokens)
+
+
+def _mean(v: int | str) -> int:
+    from kvcap.workload.lengths import parse_length
+
+    return v if isinstance(v, int) else max(1, round(parse_length(v).mean))
 
 
 class LoadSpec(_Strict):

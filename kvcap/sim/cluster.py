@@ -1,0 +1,95 @@
+"""A scenario turned into simulator parts: replicas (KV blocks from :mod:`kvcap.plan`, a cost model), memory
+tiers and the links between them. KV arithmetic is not redone here: blocks per replica and bytes per token
+are the plan's, so the simulator's residency is the plan's by construction (a test holds them together)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvcap.plan import PlanInputs, PlanResult, kv_bytes_per_sequence, plan, resolve
+from kvcap.sim.cost import cost_model
+from kvcap.sim.engine import ReplicaConfig, SimRequest, Simulation, Tier
+from kvcap.sim.links import Link, LinkSet
+from kvcap.specs.scenario import Scenario
+from kvcap.workload.trace import MOONCAKE_BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """Everything needed to build a fresh :class:`Simulation` for one level (state never leaks across)."""
+
+    scenario: Scenario
+    inputs: PlanInputs
+    plan: PlanResult
+
+    @property
+    def replicas(self) -> int:
+        return self.plan.replicas
+
+    def build(self, on_finish: Callable[[SimRequest, float], None] | None = None) -> Simulation:
+        sc, p, inputs = self.scenario, self.plan, self.inputs
+        sv, cl = sc.serving, sc.cluster
+        per_replica = sv.tensor_parallel * sv.pipeline_parallel
+        links = LinkSet()
+        inter = inputs.interconnect
+        nics = [links.add(Link(f"nic{n}", "nic", inter.bytes_s, inter.effective_bytes_s, inter.latency_s, node=n))
+                for n in range(cl.nodes)]
+        pool: tuple[Link, ...] = ()
+        if cl.remote_memory_bandwidth is not None and "remote" in sv.tiers:
+            bw = cl.remote_memory_bandwidth
+            pool = (links.add(Link("pool", "pool", bw, bw * inter.efficiency, inter.latency_s)),)
+        tiers: dict[str, list[Tier]] = {}
+        for t in p.tiers:
+            if t.name == "host":
+                tiers["host"] = [Tier("host", t.capacity_bytes / cl.nodes) for _ in range(cl.nodes)]
+            elif t.name == "remote":
+                tiers["remote"] = [Tier("remote", t.capacity_bytes)]
+        cost = cost_model(inputs.model, inputs.gpu, tp=sv.tensor_parallel, weights_dtype=p.weights_dtype,
+                          kv_dtype=sc.model.kv_dtype)
+        blocks_for = _blocks_for(self)
+        configs = []
+        for r in range(p.replicas):
+            first, last = r * per_replica, (r + 1) * per_replica - 1
+            nodes = sorted({g // cl.gpus_per_node for g in (first, last)} |
+                           {g // cl.gpus_per_node for g in range(first, last + 1)})
+            host = inputs.host_link
+            host_link = links.add(Link(f"pcie{r}", "host", host.bytes_s * per_replica,
+                                       host.effective_bytes_s * per_replica, host.latency_s, node=nodes[0]))
+            configs.append(ReplicaConfig(
+                blocks=p.kv_blocks_per_gpu, block_size=sv.block_size, max_num_seqs=sv.max_num_seqs,
+                max_num_batched_tokens=sv.max_num_batched_tokens, chunked_prefill=sv.chunked_prefill, cost=cost,
+                kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=MOONCAKE_BLOCK_TOKENS,
+                prefix_caching=sv.enable_prefix_caching, park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
+                node=nodes[0], host_link=host_link,
+                nic_links=tuple(nics[n] for n in nodes), blocks_for=blocks_for))
+        return Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish)
+
+
+def _blocks_for(cm: ClusterModel) -> Callable[[int], int] | None:
+    """Block cost of a T-token sequence: ceil(T / block) for full attention; for sliding-window or hybrid
+    models the plan's per-sequence bytes in block units (windowed layers stop growing, SSM state is fixed)."""
+    model = cm.inputs.model
+    if all(k == "full" for k in model.layer_kinds):
+        return None
+    p, sv = cm.plan, cm.scenario.serving
+    block_bytes = p.kv_bytes_per_token_per_gpu * sv.block_size
+    elem = p.kv_element_bytes
+    cache: dict[int, int] = {}
+
+    def blocks(tokens: int) -> int:
+        hit = cache.get(tokens)
+        if hit is None:
+            hit = math.ceil(kv_bytes_per_sequence(model, tokens, elem, sv.block_size, sv.tensor_parallel,
+                                                  sv.pipeline_parallel) / block_bytes - 1e-9)
+            if len(cache) < 1_000_000:
+                cache[tokens] = hit
+        return hit
+
+    return blocks
+
+
+def cluster_model(scenario: Scenario) -> ClusterModel:
+    inputs = resolve(scenario)
+    return ClusterModel(scenario=scenario, inputs=inputs, plan=plan(inputs))

@@ -1,0 +1,363 @@
+"""``kvcap sim``: drive the simulated cluster with the same load plans as ``bench`` and write the same run
+directory — per-request records appended as each finishes, level windows, telemetry with normalised names,
+the manifest (source ``sim``) and the summary — so ``analyze``, ``compare`` and ``report`` cannot tell the two
+apart except by the manifest.
+
+Every level (and repeat) starts from an empty cluster, like a freshly started server; levels follow each
+other on the run's time axis. Closed loop: each of N users sends its next request the moment the previous
+one ends. Open loop: arrivals fixed in advance from the same generator and seed as ``bench``, latency from the
+arrival. Trace: the rows' arrival times and lengths (Mooncake ``hash_ids`` drive prefix caching).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcap import __version__
+from kvcap.analysis.summary import build_summary
+from kvcap.errors import InputError
+from kvcap.rundir import SUMMARY, RunDir, RunWriter, write_json_atomic
+from kvcap.sim.cluster import ClusterModel, cluster_model
+from kvcap.sim.engine import SimRequest, Simulation
+from kvcap.specs.scenario import Scenario
+from kvcap.workload.arrivals import arrival_offsets, parse_arrival
+from kvcap.workload.lengths import parse_length
+from kvcap.workload.loadplan import LoadPlan
+
+SAMPLE_S = 1.0
+LEVEL_GAP_S = 1.0
+MAX_EVENTS = 50_000_000
+
+
+@dataclass
+class SimConfig:
+    scenario: Scenario
+    plan: LoadPlan
+    out: Path
+    slo: dict[str, float] = field(default_factory=dict)
+    arm: str | None = None
+    under_test: list[str] = field(default_factory=list)
+    overwrite: bool = False
+    record_itl: bool = True
+    trace_file: str | None = None
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+def load_plan_from(scenario: Scenario, seed: int = 0) -> LoadPlan:
+    """The scenario's ``load`` section as a LoadPlan (closed loop if ``load.concurrency``, else open loop)."""
+    ld = scenario.load
+    if ld.concurrency:
+        mode, levels = "concurrency", tuple(float(x) for x in ld.concurrency)
+    elif ld.rate:
+        mode, levels = "rate", tuple(float(x) for x in ld.rate)
+    else:
+        raise InputError("the scenario has no load levels: set load.concurrency or load.rate (or give --trace)")
+    if any(x <= 0 for x in levels):
+        raise InputError("load levels must be positive")
+    parse_arrival(ld.arrival)
+    duration = None if ld.requests and "duration" not in ld.model_fields_set else ld.duration
+    return LoadPlan(mode=mode, levels=levels, warmup_s=ld.warmup, duration_s=duration, requests=ld.requests,
+                    repeats=ld.repeats, arrival=ld.arrival, seed=seed)
+
+
+def flatten(prefix: str, obj: Any, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = obj
+    return out
+
+
+def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> dict[str, Any]:
+    sc = cfg.scenario
+    data = sc.model_dump(mode="json", exclude={"name", "description", "load", "slo"})
+    fixed = flatten("", data, {})
+    wl = sc.workload
+    fixed.update({"workload.input_tokens": parse_length(wl.input_tokens).spec,
+                  "workload.output_tokens": parse_length(wl.output_tokens).spec,
+                  "model.name": cm.inputs.model.name, "server.engine": "kvcap-sim", "server.version": __version__,
+                  "load.trace": Path(cfg.trace_file).name if cfg.trace_file else None, **cfg.plan.manifest()})
+    p = cm.plan
+    return {"tool": "kvcap", "tool_version": __version__, "source": "sim", "arm": cfg.arm, "run_id": cfg.run_id,
+            "scenario": sc.name, "started_at": started,
+            "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
+                     "python": platform.python_version(), "cpus": os.cpu_count()},
+            "server": {"engine": "kvcap-sim", "version": __version__, "replicas": p.replicas,
+                       "kv_blocks_per_replica": p.kv_blocks_per_gpu, "kv_tokens_per_replica": p.kv_tokens_per_gpu,
+                       "resident_requests": p.resident_requests},
+            "slo": cfg.slo, "fixed": fixed, "under_test": cfg.under_test}
+
+
+def record_of(req: SimRequest, offset: float, record_itl: bool = True) -> dict[str, Any]:
+    """A finished simulated request in bench's record format (times in ms from its arrival)."""
+    tags = req.tags
+    ok = req.error is None and req.out >= req.max_out
+    rec: dict[str, Any] = {"mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"],
+                           "phase": tags["phase"], "worker": 0, "index": req.rid,
+                           "start_s": round(offset + req.arrival, 6)}
+    if not ok:
+        rec.update({"end_s": round(offset + (req.t_last or req.arrival), 6), "send_delay_ms": 0.0, "ok": False,
+                    "error": req.error or "cancelled", "status": 400 if req.error == "http_4xx" else None,
+                    "input_tokens": req.prompt, "output_tokens": req.out, "requested_output_tokens": req.max_out,
+                    "tokens_source": "sim", "ttft_ms": None if req.t_first is None else
+                    round((req.t_first - req.arrival) * 1e3, 3), "tpot_ms": None, "e2e_ms": None, "itl_ms": [],
+                    "queue_ms": None if req.t_sched is None else round((req.t_sched - req.arrival) * 1e3, 3),
+                    "finish_reason": None, "truncated": False, "early_stop": False, "retries": 0, "group": None})
+        return rec
+    times = req.token_times()
+    ttft = (req.t_first - req.arrival) * 1e3  # type: ignore[operator]
+    e2e = (float(times[-1]) - req.arrival) * 1e3
+    n = req.out
+    rec.update({
+        "end_s": round(offset + float(times[-1]), 6), "send_delay_ms": 0.0, "ok": True, "error": None, "status": 200,
+        "input_tokens": req.prompt, "output_tokens": n, "requested_output_tokens": req.max_out,
+        "tokens_source": "sim", "ttft_ms": round(ttft, 3), "tpot_ms": round((e2e - ttft) / (n - 1), 3) if n > 1 else None,
+        "e2e_ms": round(e2e, 3),
+        "itl_ms": np.round(np.diff(times) * 1e3, 3).tolist() if record_itl else [],
+        "queue_ms": round((req.t_sched - req.arrival) * 1e3, 3),  # type: ignore[operator]
+        "finish_reason": "length", "truncated": False, "early_stop": False, "retries": 0, "group": None,
+        "replica": req.replica, "preemptions": req.preemptions, "recomputed_tokens": req.recomputed,
+        "parked_ms": round(req.parked_s * 1e3, 3), "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,
+    })
+    return rec
+
+
+class _Lengths:
+    """Input/output lengths per request from the workload's distributions (seeded per level and repeat)."""
+
+    def __init__(self, input_spec: int | str, output_spec: int | str, seed: tuple[int, ...]):
+        self.i, self.o = parse_length(input_spec, "workload.input_tokens"), parse_length(output_spec,
+                                                                                        "workload.output_tokens")
+        self.rng = np.random.default_rng(seed)
+        self.buf: list[tuple[int, int]] = []
+
+    def next(self) -> tuple[int, int]:
+        if not self.buf:
+            n = 4096
+            self.buf = list(zip(self.i.sample(n, self.rng).tolist(), self.o.sample(n, self.rng).tolist()))[::-1]
+        return self.buf.pop()
+
+
+class Sampler:
+    """Telemetry of a running simulation, one row per replica/link/tier each ``SAMPLE_S`` of simulated time."""
+
+    def __init__(self, sim: Simulation, offset: float, emit: Callable[[list[dict[str, Any]]], None],
+                 tiers: tuple[str, ...]):
+        self.sim, self.offset, self.emit = sim, offset, emit
+        self.next_t = 0.0
+        self.rows = 0
+        self.tiers = tiers
+        self._busy = [0.0] * len(sim.replicas)
+        self._moved = {id(link): 0.0 for link in sim.links.links}
+        self._tx = {id(link): 0.0 for link in sim.links.links}
+        used = {"host"} if "host" in tiers else set()
+        if "remote" in tiers:
+            used |= {"nic", "pool"}
+        self.links = [link for link in sim.links.links if link.kind in used]
+
+    def until(self, t: float) -> None:
+        while self.next_t <= t:
+            self.sample(self.next_t)
+            self.next_t += SAMPLE_S
+
+    def sample(self, t: float) -> None:
+        sim, ts = self.sim, round(self.offset + t, 6)
+        rows: list[dict[str, Any]] = []
+
+        def add(name: str, labels: dict[str, Any], value: float) -> None:
+            rows.append({"t_s": ts, "source": "sim", "name": name, "labels": labels, "value": value})
+
+        for rep in sim.replicas:
+            lab = {"replica": f"r{rep.index}", "node": f"n{rep.cfg.node}"}
+            add("server.requests_running", lab, len(rep.running))
+            add("server.requests_waiting", lab, len(rep.waiting))
+            if self.tiers:
+                add("server.requests_parked", lab, len(rep.parked) + rep.moving)
+            add("server.kv_usage", lab, round(rep.kv_usage(), 5))
+            add("server.preemptions_total", lab, rep.preemptions)
+            add("server.prompt_tokens_total", lab, rep.prompt_tokens)
+            add("server.generation_tokens_total", lab, rep.generation_tokens)
+            busy = rep.busy_at(t)
+            add("gpu.util", lab, round(min(1.0, (busy - self._busy[rep.index]) / SAMPLE_S), 5) if t > 0 else 0.0)
+            self._busy[rep.index] = busy
+        if self.links:
+            sim.links.advance(t)
+            for link in self.links:
+                moved, tx = link.moved_bytes - self._moved[id(link)], link.tx_bytes - self._tx[id(link)]
+                self._moved[id(link)], self._tx[id(link)] = link.moved_bytes, link.tx_bytes
+                lab = {"link": link.name, "kind": link.kind}
+                if link.node is not None:
+                    lab["node"] = f"n{link.node}"
+                add("link.util", lab, round(moved / SAMPLE_S / link.nominal_bytes_s, 5) if t > 0 else 0.0)
+                if link.kind == "nic":
+                    add("net.tx_bytes_s", lab, round(tx / SAMPLE_S, 1) if t > 0 else 0.0)
+                    add("net.rx_bytes_s", lab, round((moved - tx) / SAMPLE_S, 1) if t > 0 else 0.0)
+        for name, group in sim.tiers.items():
+            for i, tier in enumerate(group):
+                lab = {"tier": name} | ({"node": f"n{i}"} if name == "host" else {})
+                add("server.kv_tier_usage", lab, round(tier.used / tier.capacity, 5) if tier.capacity else 0.0)
+        self.rows += len(rows)
+        self.emit(rows)
+
+
+def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
+                   writer: RunWriter, record_itl: bool = True) -> tuple[dict[str, Any], float]:
+    """One level (one repeat) on a fresh cluster; returns its levels.jsonl line and its simulated length."""
+    wl = cm.scenario.workload
+    mode = plan.mode
+    measure_start = plan.warmup_s
+    measure_end = measure_start + plan.duration_s if plan.duration_s is not None else math.inf
+    state = {"measured": 0, "stop_at": None, "rid": 0, "inflight": 0, "ok": 0, "errors": 0}
+    base = {"mode": mode, "level": int(level) if mode == "concurrency" else level, "repeat": repeat}
+
+    def on_finish(req: SimRequest, now: float) -> None:
+        state["inflight"] -= 1
+        rec = record_of(req, offset, record_itl)
+        state["ok" if rec["ok"] else "errors"] += 1
+        writer.record(rec)
+        if mode == "concurrency":
+            issue(now)
+
+    sim = cm.build(on_finish=on_finish)
+    tiers = tuple(sim.tiers)
+    sampler = Sampler(sim, offset, writer.telemetry, tiers)
+
+    def new_request(t: float, prompt: int, out: int, hashes: tuple[int, ...] = ()) -> SimRequest:
+        phase = "warmup" if t < measure_start else "measure"
+        if phase == "measure":
+            state["measured"] += 1
+        state["rid"] += 1
+        state["inflight"] += 1
+        return SimRequest(rid=state["rid"], arrival=t, prompt=prompt, max_out=out, hashes=hashes,
+                          tags={**base, "phase": phase})
+
+    lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, round(level * 1000), repeat))
+
+    def issue(t: float) -> None:
+        if t >= measure_end or (plan.requests is not None and state["measured"] >= plan.requests):
+            if state["stop_at"] is None:
+                state["stop_at"] = t
+            return
+        sim.submit(new_request(t, *lengths.next()), t)
+
+    last_measured = None
+    if mode == "concurrency":
+        for _ in range(int(level)):
+            issue(0.0)
+    else:
+        if mode == "trace":
+            rows = list(plan.trace)
+            offsets = [r.arrival_s / plan.trace_speed for r in rows]
+            if plan.duration_s is not None:
+                keep = [k for k, t in enumerate(offsets) if t < plan.warmup_s + plan.duration_s]
+                rows, offsets = [rows[k] for k in keep], [offsets[k] for k in keep]
+            if plan.requests is not None:
+                n_warm = sum(1 for t in offsets if t < plan.warmup_s)
+                rows, offsets = rows[: n_warm + plan.requests], offsets[: n_warm + plan.requests]
+            specs = [(t, r.input_tokens, r.output_tokens, r.hash_ids) for t, r in zip(offsets, rows)]
+        else:
+            kind, cv = parse_arrival(plan.arrival)
+            seed = (plan.seed, round(level * 1000), repeat)
+            if plan.requests is not None:
+                n = math.ceil(level * plan.warmup_s) + plan.requests
+                offs = arrival_offsets(kind, cv, level, 0.0, seed=seed, max_n=n)  # type: ignore[arg-type]
+            else:
+                offs = arrival_offsets(kind, cv, level, plan.warmup_s + (plan.duration_s or 0.0),  # type: ignore[arg-type]
+                                       seed=seed)
+            specs = [(float(t), *lengths.next(), ()) for t in offs]
+        for t, i_tok, o_tok, hashes in specs:
+            req = new_request(t, i_tok, o_tok, tuple(hashes))
+            if req.tags["phase"] == "measure":
+                last_measured = t
+            sim.submit(req, t)
+
+    wall0 = time.perf_counter()
+    horizon = (measure_end if math.isfinite(measure_end) else 0.0) + plan.drain_timeout_s
+    cap = horizon if math.isfinite(measure_end) else math.inf
+    if mode != "concurrency" and specs:
+        cap = max(specs[-1][0], measure_end if math.isfinite(measure_end) else 0.0) + plan.drain_timeout_s
+    sim.run_until(cap, stop=lambda: sim.events > MAX_EVENTS, on_time=sampler.until)
+    if sim.events > MAX_EVENTS:
+        raise InputError(f"simulation of level {level:g} exceeded {MAX_EVENTS:,} events: shorten load.duration")
+    t_end = sim.now
+    # whatever is still in flight at the drain limit is reported, never dropped
+    leftovers = [r for rep in sim.replicas for r in
+                 list(rep.running) + list(rep.waiting) + [p[2] for p in rep.parked]]
+    for req in leftovers:
+        req.error = "cancelled"
+        sim.finish(req, t_end)
+    sampler.until(t_end)
+    wall = time.perf_counter() - wall0
+    if mode == "concurrency":
+        end = state["stop_at"] if state["stop_at"] is not None else t_end
+        if math.isfinite(measure_end):
+            end = min(end, measure_end)
+    elif mode == "rate" and plan.duration_s is not None:
+        end = measure_end
+    else:
+        end = last_measured if last_measured is not None else t_end
+    end = max(end, measure_start)
+    window = max(end - measure_start, 1e-9)
+    info = {"mode": mode, "level": base["level"], "repeat": repeat, "target": base["level"],
+            "t_start_s": round(offset, 6), "t_end_s": round(offset + t_end, 6),
+            "measure_start_s": round(offset + measure_start, 6), "measure_end_s": round(offset + end, 6),
+            "sent_measured": state["measured"], "late_sends": 0,
+            "achieved_rate": round(state["measured"] / window, 4) if mode == "rate" else None,
+            "client": {"warnings": []}, "interrupted": False,
+            "sim": {"events": sim.events, "wall_s": round(wall, 4), "simulated_s": round(t_end, 4),
+                    "realtime_factor": round(t_end / wall, 1) if wall > 0 else None,
+                    "preemptions": sum(r.preemptions for r in sim.replicas),
+                    "running_peak": max(r.running_peak for r in sim.replicas),
+                    "finished": state["ok"], "errors": state["errors"], "cancelled": len(leftovers)}}
+    if mode == "trace":
+        info["trace_requests"] = len(specs)
+    writer.level(info)
+    return info, t_end
+
+
+def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every level × repeat of the plan; returns the summary (also written to ``summary.json``)."""
+    cm = cluster_model(cfg.scenario)
+    writer = RunWriter(cfg.out, overwrite=cfg.overwrite)
+    started = time.time()
+    writer.manifest(_manifest(cfg, cm, started))
+    offset = 0.0
+    infos: list[dict[str, Any]] = []
+    interrupted = False
+    wall0 = time.perf_counter()
+    try:
+        for repeat in range(cfg.plan.first_repeat, cfg.plan.first_repeat + cfg.plan.repeats):
+            for level in cfg.plan.levels:
+                info, length = simulate_level(cm, cfg.plan, level, repeat, offset, writer, cfg.record_itl)
+                infos.append(info)
+                if progress is not None:
+                    progress(info)
+                offset += length + LEVEL_GAP_S
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        writer.close()
+    wall = time.perf_counter() - wall0
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo)
+    simulated = sum(i["sim"]["simulated_s"] for i in infos)
+    engine = sum(i["sim"]["wall_s"] for i in infos)
+    summary["interrupted"] = interrupted
+    summary["sim"] = {"levels": len(infos), "requests": sum(i["sim"]["finished"] + i["sim"]["errors"] for i in infos),
+                      "events": sum(i["sim"]["events"] for i in infos), "simulated_s": round(simulated, 3),
+                      "engine_wall_s": round(engine, 3), "wall_s": round(wall, 3),
+                      "realtime_factor": round(simulated / engine, 1) if engine > 0 else None,
+                      "plan_resident": cm.plan.resident_requests}
+    write_json_atomic(cfg.out / SUMMARY, summary)
+    return summary
