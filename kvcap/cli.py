@@ -475,6 +475,65 @@ def _cmd_sim(a: argparse.Namespace) -> int:
     return 130 if summary.get("interrupted") else 0
 
 
+SERVE_SIM_EXAMPLES = """
+examples:
+  kvcap serve-sim scenarios/seed-reference.yaml --port 8000
+  kvcap serve-sim scenarios/seed-reference.yaml --set serving.kv_offload=remote --log sim-log.jsonl
+  # then, in another shell:
+  kvcap bench --url http://127.0.0.1:8000 --concurrency 8,16 --input-tokens 1024 --output-tokens 256 \\
+              --metrics-url http://127.0.0.1:8000/metrics --duration 30s --out runs/against-sim
+"""
+
+
+def _add_serve_sim(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve-sim", help="serve the simulated cluster in real time behind an OpenAI-compatible streaming API",
+        description=_doc("""
+            Runs the scenario's cluster in real time behind /v1/completions and /v1/chat/completions (streaming,
+            usage, [DONE]), /v1/models, /health and a vLLM-style /metrics, so any client can benchmark a simulated
+            cluster. Prompt length = whitespace-separated words; output length = max_tokens. Binds 127.0.0.1 by
+            default. Stops on Ctrl-C.
+        """), epilog=SERVE_SIM_EXAMPLES, formatter_class=_formatter)
+    p.add_argument("scenario", metavar="SCENARIO.yaml")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (8000; 0 picks a free one)")
+    p.add_argument("--model-name", help="model id to serve (default: the scenario's model)")
+    p.add_argument("--log", metavar="FILE.jsonl", help="append the simulator's record of each request")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any scenario key (repeatable)")
+    p.set_defaults(func=_cmd_serve_sim)
+
+
+def _cmd_serve_sim(a: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+    from pathlib import Path
+
+    from kvcap.sim.cluster import cluster_model
+    from kvcap.sim.server import describe, serve
+    from kvcap.specs.scenario import load_scenario, parse_set
+
+    if not 0 <= a.port <= 65535:
+        raise InputError(f"--port must be 0-65535, got {a.port}")
+    cm = cluster_model(load_scenario(a.scenario, parse_set(a.set)))
+
+    async def main() -> None:
+        server, _ = await serve(cm, a.host, a.port, Path(a.log) if a.log else None, a.model_name)
+        d = describe(cm)
+        print(f"kvcap serve-sim: {d['model']} on {d['replicas']} × {d['gpu']} (KV offload {d['kv_offload']}) at "
+              f"{server.url}/v1", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+    return 0
+
+
 DEMO_EXAMPLES = """
 examples:
   kvcap demo
@@ -856,7 +915,7 @@ def _positive_float(text: str) -> float:
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_plan, _add_bench, _add_sim, _add_analyze, _add_compare, _add_ab, _add_report, _add_audit, _add_demo]
+    _add_plan, _add_bench, _add_sim, _add_serve_sim, _add_analyze, _add_compare, _add_ab, _add_report, _add_audit, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

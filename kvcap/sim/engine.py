@@ -251,6 +251,22 @@ class Replica:
                 self.prefix_ref[h] = ref
         req.shared = ()
 
+    def abort(self, req: SimRequest, now: float) -> bool:
+        """The client left: drop a waiting or running request (others finish their copy first)."""
+        if req.state == "waiting" and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.state == "running" and req in self.running and (self.span is None or (
+                req not in self.span.decoders and all(r is not req for r, _ in self.span.prefills))):
+            self.running.remove(req)
+            self._release(req)
+            if req.committed:
+                self._uncommit(req)
+        else:
+            return False
+        req.error = "cancelled"
+        req.state = "done"
+        return True
+
     # ------------------------------------------------------------------ arrivals and interrupts
     def enqueue(self, req: SimRequest, now: float) -> None:
         req.replica, req.state = self.index, "waiting"
@@ -411,6 +427,8 @@ class Replica:
                 head = self.waiting[0]
                 if self.free_blocks() >= self._private_need(head, head.target):
                     k = 1  # something could be admitted next step (blocks free up only at a finish)
+            if self.sim.max_span is not None:
+                k = min(k, self.sim.max_span)
             k = self._block_limit(decoders, k, reserved)
             shape = BatchShape.of(decode=[r.kv for r in decoders], window=window)
             ends = now + np.cumsum(cost.decode_step_times(shape, k))
@@ -571,6 +589,8 @@ class Replica:
             req.chunks.append(span.ends if k > 1 else float(span.ends[0]))
             req.t_last = float(span.ends[-1])
             gen += k
+            if self.sim.on_tokens is not None:
+                self.sim.on_tokens(req)
         for req, chunk in span.prefills:
             req.kv += chunk
             self.prompt_tokens += chunk
@@ -583,6 +603,8 @@ class Replica:
                     self._register_prefix(req, now)
                 req.chunks.append(t)
                 req.t_last = t
+                if self.sim.on_tokens is not None:
+                    self.sim.on_tokens(req)
         self.generation_tokens += gen
         done = [r for r in self.running if r.out >= r.max_out]
         for req in done:
@@ -674,6 +696,9 @@ class Simulation:
         self.finished = 0
         self.recomputes = 0
         self.events = 0
+        self.max_span: int | None = None
+        """Longest decode span in steps (1 when serving in real time, so every token is an event)."""
+        self.on_tokens: Callable[[SimRequest], None] | None = None
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: str, obj: Any, version: int = 0) -> None:

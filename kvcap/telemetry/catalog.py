@@ -36,6 +36,8 @@ NORMALISED: dict[str, str] = {
     "llamacpp:prompt_tokens_total": "server.prompt_tokens_total",
     "llamacpp:tokens_predicted_total": "server.generation_tokens_total",
     "llamacpp:n_decode_total": "server.decode_calls_total",
+    # kvcap serve-sim (the simulator's own gauge: requests whose KV is parked in an offload tier)
+    "kvcap:num_requests_parked": "server.requests_parked",
     # LMCache
     "lmcache:num_hit_tokens_total": "server.offload_hit_tokens_total",
     "lmcache:num_requested_tokens_total": "server.offload_requested_tokens_total",

@@ -581,10 +581,14 @@ STATE: web.AppKey[FakeServerState] = web.AppKey("kvcap_fake_state")
 class FakeServerState:
     """Config, counters and (in batching mode) the engine, shared by all handlers of one app."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, engine: Any = None,
+                 metrics: Callable[[FakeServerState], str] | None = None) -> None:
         self.cfg = cfg
         self.stats = Stats()
-        self.engine: BatchingEngine | None = BatchingEngine(cfg, self.stats) if cfg.batching else None
+        self.engine: Any = engine if engine is not None else (
+            BatchingEngine(cfg, self.stats) if cfg.batching else None)
+        """The batching engine, or any object with its interface (``kvcap serve-sim`` plugs the simulator in)."""
+        self.metrics = metrics or render_metrics
         self.next_index = 0
         self.started_wall = time.time()
 
@@ -847,7 +851,8 @@ def render_metrics(state: FakeServerState) -> str:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(text=render_metrics(request.app[STATE]),
+    state = request.app[STATE]
+    return web.Response(text=state.metrics(state),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -869,11 +874,13 @@ async def _keep_alive_header(request: web.Request, resp: web.StreamResponse) -> 
     resp.headers["Connection"] = "keep-alive"
 
 
-def make_app(cfg: ServerConfig) -> web.Application:
-    """The aiohttp application; start it with :func:`start_server` to get connection counting."""
+def make_app(cfg: ServerConfig, engine: Any = None,
+             metrics: Callable[[FakeServerState], str] | None = None) -> web.Application:
+    """The aiohttp application; start it with :func:`start_server` to get connection counting. ``engine`` and
+    ``metrics`` replace the batching engine and the /metrics body (the simulator behind the same API)."""
     middlewares = [_close_after_response] if cfg.close_after_response else []
     app = web.Application(client_max_size=256 * 2**20, middlewares=middlewares)
-    state = FakeServerState(cfg)
+    state = FakeServerState(cfg, engine, metrics)
     app[STATE] = state
     app.router.add_post("/v1/completions", _make_generation_handler(chat=False))
     app.router.add_post("/v1/chat/completions", _make_generation_handler(chat=True))
@@ -913,9 +920,10 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def start_server(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+async def start_server(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 0, engine: Any = None,
+                       metrics: Callable[[FakeServerState], str] | None = None) -> RunningServer:
     """Start on the running loop. The protocol factory counts each accepted TCP connection for /stats."""
-    app = make_app(cfg)
+    app = make_app(cfg, engine, metrics)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     state = app[STATE]
