@@ -73,5 +73,8 @@ def test_link_budget_in_both_units_and_warning():
 
 def test_seed_scenario_file_plans():
     r = plan(resolve(load_scenario(ROOT / "scenarios" / "seed-reference.yaml")))
-    assert r.nodes == 4 and r.gpus == 4 and r.model == "llama-3.1-8b"
-    assert r.tokens_per_request == 1280
+    assert r.nodes == 4 and r.gpus == 4 and r.model == "llama-2-7b" and r.attention_kind.startswith("MHA")
+    assert r.tokens_per_request == 1024 + 192  # the means of normal:1024,64 and uniform:128,256
+    # what the file's comment says: 512 KiB per token, 983 blocks, 12 requests per card, 48 in the cluster
+    assert r.kv_bytes_per_token == 524_288 and r.kv_blocks_per_gpu == 983
+    assert r.resident_requests["hbm"] == 48

@@ -63,7 +63,8 @@ class ClusterModel:
                 kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=MOONCAKE_BLOCK_TOKENS,
                 prefix_caching=sv.enable_prefix_caching, park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
                 node=nodes[0], host_link=host_link,
-                nic_links=tuple(nics[n] for n in nodes), blocks_for=blocks_for))
+                nic_links=tuple(nics[n] for n in nodes), blocks_for=blocks_for,
+                max_model_len=inputs.model.max_position_embeddings or None))
         return Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish)
 
 

@@ -64,6 +64,8 @@ class SimRequest:
     recomputed: int = 0
     t_parked: float = 0.0
     parked_s: float = 0.0
+    copy_s: float = 0.0
+    """Seconds this request's KV spent on a link (copies out and back in): the transfer part of its latency."""
     tier: str | None = None
     tier_bytes: float = 0.0
     hit_hbm: int = 0
@@ -102,6 +104,8 @@ class ReplicaConfig:
     node: int
     host_link: Link | None
     nic_links: tuple[Link, ...]
+    max_model_len: int | None = None
+    """Longest prompt + output the engine accepts (the model's context); longer requests get a 400."""
     blocks_for: Callable[[int], int] | None = None
     """Blocks a sequence of T tokens needs (None: ceil(T / block_size), full-attention models)."""
 
@@ -271,8 +275,9 @@ class Replica:
     def enqueue(self, req: SimRequest, now: float) -> None:
         req.replica, req.state = self.index, "waiting"
         need = self.blocks_for(req.prompt)
-        if need > self.cfg.blocks:
-            req.error = "http_4xx"  # a prompt larger than the whole KV pool can never be served
+        too_long = self.cfg.max_model_len is not None and req.prompt + req.max_out > self.cfg.max_model_len
+        if need > self.cfg.blocks or too_long:
+            req.error = "http_4xx"  # over the context, or larger than the whole KV pool: vLLM refuses it
             self.sim.finish(req, now)
             return
         self.waiting.append(req)
@@ -335,18 +340,19 @@ class Replica:
             if chunk <= 0 or budget <= 0:
                 i += 1
                 continue
-            need = self._private_need(req, req.kv + chunk)
+            need = max(0, self._private_need(req, req.kv + chunk))
+            lost = False
             while need > 0 and not self._take(need):
                 victim = self.running[-1]
                 self._preempt(victim, now, decoders, prefills, reserved)
                 if victim is req or self.stalled:
-                    need = -1
+                    lost = True
                     break
             if self.stalled:
                 break
-            if need < 0:
-                continue
-            req.blocks += max(need, 0)
+            if lost:
+                continue  # req itself was preempted: the list shifted, index i is already the next one
+            req.blocks += need
             reserved[req.rid] = max(need, 0)
             budget -= chunk
             if chunk == 1 and req.out:
@@ -480,7 +486,8 @@ class Replica:
             self.stalled += 1
             self.moving += 1
 
-            def done(t: float, v: SimRequest = victim) -> None:
+            def done(t: float, v: SimRequest = victim, t0: float = now) -> None:
+                v.copy_s += t - t0
                 self.stalled -= 1
                 self.moving -= 1
                 self._release(v)  # HBM blocks are reusable once the copy is out
@@ -505,7 +512,8 @@ class Replica:
         req.state = "swap_in"
         self.moving += 1
 
-        def done(t: float, r: SimRequest = req, tr: Tier | None = tier) -> None:
+        def done(t: float, r: SimRequest = req, tr: Tier | None = tier, t0: float = now) -> None:
+            r.copy_s += t - t0
             self.moving -= 1
             if tr is not None:
                 tr.release(r.tier_bytes)
@@ -549,7 +557,8 @@ class Replica:
         req.state = "loading"
         self.moving += 1
 
-        def done(t: float, r: SimRequest = req, n: int = tokens) -> None:
+        def done(t: float, r: SimRequest = req, n: int = tokens, t0: float = now) -> None:
+            r.copy_s += t - t0
             self.moving -= 1
             r.kv += n
             r.hit_tier = n
@@ -655,7 +664,8 @@ class Replica:
         req.state, req.tier, req.tier_bytes = "swap_out", tier.name, nbytes
         self.moving += 1
 
-        def done(t: float, r: SimRequest = req) -> None:
+        def done(t: float, r: SimRequest = req, t0: float = now) -> None:
+            r.copy_s += t - t0
             self.moving -= 1
             self._release(r)
             r.state, r.t_parked = "parked", t

@@ -129,7 +129,7 @@ def record_of(req: SimRequest, offset: float, record_itl: bool = True) -> dict[s
         "queue_ms": round((req.t_sched - req.arrival) * 1e3, 3),  # type: ignore[operator]
         "finish_reason": "length", "truncated": False, "early_stop": False, "retries": 0, "group": None,
         "replica": req.replica, "preemptions": req.preemptions, "recomputed_tokens": req.recomputed,
-        "parked_ms": round(req.parked_s * 1e3, 3), "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,
+        "parked_ms": round(req.parked_s * 1e3, 3), "copy_ms": round(req.copy_s * 1e3, 3), "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,
     })
     return rec
 

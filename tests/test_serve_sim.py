@@ -1,0 +1,89 @@
+"""serve-sim over real HTTP: kvcap bench measures the simulated cluster and gets what the simulator logged."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+SCENARIO = ROOT / "scenarios" / "seed-reference.yaml"
+
+
+@pytest.fixture
+def serve_sim(tmp_path):
+    log = tmp_path / "sim-log.jsonl"
+    err = open(tmp_path / "serve-sim.err", "w+")  # noqa: SIM115 - the server writes to it while it runs
+    proc = subprocess.Popen([sys.executable, "-m", "kvcap", "serve-sim", str(SCENARIO), "--port", "0",
+                             "--log", str(log), "--set", "serving.kv_offload=remote"],
+                            stderr=err, stdout=subprocess.DEVNULL, cwd=ROOT)
+    url = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and url is None:
+        err.seek(0)
+        m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", err.read())
+        if m:
+            url = m.group(1)
+        elif proc.poll() is not None:
+            break
+        else:
+            time.sleep(0.1)
+    assert url, f"serve-sim did not start: {(tmp_path / 'serve-sim.err').read_text()}"
+    try:
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        err.close()
+
+
+def test_bench_against_serve_sim_matches_the_simulators_log(serve_sim, tmp_path):
+    url, log = serve_sim
+    with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+        assert json.load(r)["data"][0]["id"] == "llama-2-7b"
+    out = tmp_path / "bench"
+    p = run_cli("bench", "--url", url, "--concurrency", "4,24", "--input-tokens", "1024", "--output-tokens", "64",
+                "--warmup", "2s", "--duration", "8s", "--metrics-url", url + "/metrics", "--out", str(out),
+                "--quiet", "--json", timeout=120)
+    assert p.returncode == 0, p.stderr
+    time.sleep(0.5)
+    measured = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(r["ok"] for r in measured) and all(r["ok"] for r in logged)
+    assert len(measured) == len(logged) > 40
+    assert sum(r["output_tokens"] for r in measured) == sum(r["output_tokens"] for r in logged)
+    assert sum(r["input_tokens"] for r in measured) == sum(r["input_tokens"] for r in logged)
+
+    def mean(rs, key):
+        return float(np.mean([r[key] for r in rs]))
+
+    # the client sees the simulator's times plus loopback HTTP: a little later, never earlier
+    assert 0 <= mean(measured, "ttft_ms") - mean(logged, "ttft_ms") < 6
+    assert abs(mean(measured, "tpot_ms") - mean(logged, "tpot_ms")) < 0.5
+    assert 0 <= mean(measured, "e2e_ms") - mean(logged, "e2e_ms") < 6
+    assert mean(logged, "ttft_ms") > 100  # a 1024-token prefill of a 7B model on a 4090, not an instant
+    telemetry = [json.loads(line) for line in (out / "telemetry.jsonl").read_text().splitlines()]
+    running = [t["value"] for t in telemetry if t["name"] == "server.requests_running"]
+    assert max(running) <= 24 and max(running) >= 16
+    assert any(t["name"] == "server.requests_parked" for t in telemetry)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["capacity"]["resident_source"].startswith("telemetry")
+
+
+def test_serve_sim_bad_scenario_is_exit_2(tmp_path):
+    p = run_cli("serve-sim", str(tmp_path / "missing.yaml"))
+    assert p.returncode == 2 and "not found" in p.stderr
+    p = run_cli("serve-sim", str(SCENARIO), "--port", "70000")
+    assert p.returncode == 2 and "--port" in p.stderr
+    assert Path(SCENARIO).exists()

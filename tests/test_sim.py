@@ -1,0 +1,301 @@
+"""The simulator: KV accounting, conservation, physics directions, trace replay, and the run directory it writes.
+
+Simulated runs are short (tens of simulated seconds) and fast (well under a second each); the truths are the
+plan's arithmetic, link physics and invariants the engine must never break.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcap.plan import plan, resolve
+from kvcap.sim.cluster import cluster_model
+from kvcap.sim.engine import SimRequest
+from kvcap.sim.links import Link, LinkSet
+from kvcap.sim.run import SimConfig, load_plan_from, run_sim
+from kvcap.specs.scenario import load_scenario
+from tests.conftest import ROOT, SHARED, run_cli
+
+SCENARIO = ROOT / "scenarios" / "seed-reference.yaml"
+FIXED = {"workload.input_tokens": 1024, "workload.output_tokens": 256, "load.repeats": 1,
+         "load.warmup": "5s", "load.duration": "25s"}
+SLO = {"ttft_p95": 500.0, "tpot_p95": 80.0}
+
+
+def scenario(**overrides: Any):
+    return load_scenario(SCENARIO, {**FIXED, **{k.replace("__", "."): v for k, v in overrides.items()}})
+
+
+def simulate(tmp_path: Path, name: str, **overrides: Any) -> tuple[dict, list[dict]]:
+    sc = scenario(**overrides)
+    out = tmp_path / name
+    summary = run_sim(SimConfig(scenario=sc, plan=load_plan_from(sc), out=out, slo=SLO))
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    return summary, records
+
+
+def measured(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["phase"] == "measure" and r["ok"]]
+
+
+# ------------------------------------------------------------------------------------------ KV accounting
+
+
+def drive_closed(overrides: dict, users: int, horizon_s: float, check) -> tuple[int, int, Any]:
+    """Closed loop straight on the engine, calling ``check(sim)`` before every event."""
+    cm = cluster_model(scenario(**overrides))
+    counts = {"submitted": 0, "finished": 0}
+    wl = cm.scenario.workload
+
+    def on_finish(req: SimRequest, now: float) -> None:
+        counts["finished"] += 1
+        if now < horizon_s:
+            submit(now)
+
+    sim = cm.build(on_finish=on_finish)
+
+    def submit(t: float) -> None:
+        counts["submitted"] += 1
+        sim.submit(SimRequest(rid=counts["submitted"], arrival=t, prompt=wl.input_tokens, max_out=wl.output_tokens,
+                              tags={}), t)
+
+    for _ in range(users):
+        submit(0.0)
+    sim.run_until(math.inf, on_time=lambda t: check(sim))
+    return counts["submitted"], counts["finished"], sim
+
+
+@pytest.mark.parametrize("offload", ["none", "remote", "host"])
+def test_blocks_never_exceed_capacity_and_every_request_finishes(offload):
+    worst = {"used": 0, "tier": 0.0}
+
+    def check(sim):
+        for rep in sim.replicas:
+            assert 0 <= rep.used <= rep.cfg.blocks
+            assert 0 <= rep.kv_usage() <= 1.0
+            worst["used"] = max(worst["used"], rep.used)
+        for group in sim.tiers.values():
+            for tier in group:
+                assert tier.used <= tier.capacity + 1
+                worst["tier"] = max(worst["tier"], tier.used)
+
+    submitted, finished, sim = drive_closed({"serving.kv_offload": offload}, users=160, horizon_s=40.0, check=check)
+    assert submitted == finished > 160  # conservation: nothing lost, nothing stuck
+    blocks = sim.replicas[0].cfg.blocks
+    assert worst["used"] >= 0.9 * blocks  # the pool really was pushed to its limit
+    if offload != "none":
+        assert worst["tier"] > 0
+        assert sum(r.preemptions for r in sim.replicas) >= 0
+    assert all(not r.running and not r.waiting and not r.parked and r.used == 0 for r in sim.replicas)
+
+
+def test_residency_per_tier_matches_plan(tmp_path):
+    sc = scenario(serving__kv_offload="host+remote")
+    p = plan(resolve(sc))
+    cm = cluster_model(sc)
+    sim = cm.build()
+    per_request_blocks = sim.replicas[0].blocks_for(1024 + 256)
+    assert sim.replicas[0].cfg.blocks == p.kv_blocks_per_gpu
+    assert sim.replicas[0].cfg.blocks // per_request_blocks * p.replicas == p.resident_requests["hbm"]
+    req_bytes = p.kv_bytes_per_request
+    assert sum(int(t.capacity // req_bytes) for t in sim.tiers["host"]) == p.resident_requests["host"]
+    assert int(sim.tiers["remote"][0].capacity // req_bytes) == p.resident_requests["remote"]
+    # parking engines decode only what fits in HBM at full length: running never exceeds the plan's HBM count
+    summary, _ = simulate(tmp_path, "park", serving__kv_offload="remote", load__concurrency=[160])
+    lv = summary["levels"][0]
+    assert lv["server_running_max"] <= p.resident_requests["hbm"]
+    assert lv["server_running_max"] + lv["server_parked_max"] == 160
+
+
+def test_vram_bound_control_queues_past_the_plans_residency(tmp_path):
+    summary, _ = simulate(tmp_path, "control", load__concurrency=[32, 96])
+    low, high = summary["levels"]
+    assert low["kv_usage_max"] < 0.8 and low["server_waiting_mean"] < 1
+    assert high["server_waiting_mean"] > 30  # 96 users, ~48-60 fit in VRAM: the rest wait
+    assert high["kv_usage_max"] > 0.95
+    assert summary["diagnosis"][0]["bound"] == "kv_capacity"
+
+
+# ------------------------------------------------------------------------------------------ physics directions
+
+
+def test_twice_the_vram_more_than_doubles_residency(tmp_path):
+    small = plan(resolve(scenario()))
+    big = plan(resolve(scenario(cluster__gpu__memory="48GiB")))
+    assert big.resident_requests["hbm"] > 2 * small.resident_requests["hbm"]  # weights are paid once
+    s_small, _ = simulate(tmp_path, "v24", load__concurrency=[256])
+    s_big, _ = simulate(tmp_path, "v48", load__concurrency=[256], cluster__gpu__memory="48GiB")
+    assert s_big["levels"][0]["server_running_max"] > 2 * s_small["levels"][0]["server_running_max"]
+
+
+def test_a_faster_link_cuts_the_spilled_requests_transfer_time(tmp_path):
+    results = {}
+    for bw in ("25Gbps", "100Gbps", "400Gbps"):
+        summary, records = simulate(tmp_path, bw, serving__kv_offload="remote", load__concurrency=[96],
+                                    cluster__interconnect__bandwidth=bw)
+        spilled = [r for r in measured(records) if r["parked_ms"] > 0]
+        assert len(spilled) > 20
+        results[bw] = (float(np.mean([r["copy_ms"] for r in spilled])), summary["levels"][0]["output_tok_s"],
+                       summary["levels"][0]["link_util_max"])
+    # one copy out and one back of ~1024 tokens × 512 KiB over the NIC at 90% efficiency, plus contention
+    one_way_400 = 1025 * 524288 / (400e9 / 8 * 0.9) * 1e3
+    assert 2 * one_way_400 <= results["400Gbps"][0] < 3 * one_way_400
+    assert results["25Gbps"][0] > 4 * results["100Gbps"][0] > 4 * results["400Gbps"][0]
+    assert results["25Gbps"][1] < results["100Gbps"][1] < results["400Gbps"][1]  # throughput follows
+    assert results["25Gbps"][2] >= 0.85  # a saturated 25 Gbps NIC shows in link.util
+
+
+def test_offload_changes_nothing_while_vram_suffices(tmp_path):
+    _, control = simulate(tmp_path, "c", load__concurrency=[16])
+    _, remote = simulate(tmp_path, "r", load__concurrency=[16], serving__kv_offload="remote")
+    key = ["start_s", "ttft_ms", "e2e_ms", "output_tokens"]
+    assert [[r[k] for k in key] for r in control] == [[r[k] for k in key] for r in remote]
+
+
+def test_link_is_shared_by_concurrent_transfers():
+    links = LinkSet()
+    nic = links.add(Link("nic0", "nic", 12.5e9, 10e9, 1e-3))
+    done: list[float] = []
+    links.start(0.0, 1e9, [nic], [], True, lambda t: done.append(t))
+    links.start(0.0, 1e9, [nic], [], True, lambda t: done.append(t))
+    t, tr = links.next_done()
+    assert t == pytest.approx(0.2)  # two 1 GB copies share 10 GB/s: both finish at 0.2 s
+    links.advance(t)
+    links.finish(tr)
+    t2, _ = links.next_done()
+    assert t2 == pytest.approx(0.2)
+    assert tr.latency_s == 1e-3
+    assert nic.moved_bytes == pytest.approx(2e9)
+
+
+# ------------------------------------------------------------------------------------------ load models, traces
+
+
+def test_open_loop_rate_is_offered_and_latency_counts_from_arrival(tmp_path):
+    summary, records = simulate(tmp_path, "rate", load__concurrency=None, load__rate=[2.0], load__duration="60s",
+                                load__arrival="constant")
+    lv = summary["levels"][0]
+    assert lv["mode"] == "rate"
+    assert lv["achieved_rate"] == pytest.approx(2.0, rel=0.02)
+    starts = sorted(r["start_s"] for r in records)
+    assert np.diff(starts) == pytest.approx(0.5, abs=1e-6)  # arrivals on schedule, whatever the cluster does
+    r = measured(records)[0]
+    assert r["ttft_ms"] >= r["queue_ms"] >= 0
+    assert r["e2e_ms"] == pytest.approx(r["ttft_ms"] + sum(r["itl_ms"]), abs=0.01 * len(r["itl_ms"]))
+
+
+def test_records_obey_the_definitions(tmp_path):
+    _, records = simulate(tmp_path, "defs", load__concurrency=[8])
+    for r in measured(records)[:50]:
+        assert len(r["itl_ms"]) == r["output_tokens"] - 1 == 255
+        assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / (r["output_tokens"] - 1), abs=1e-3)
+        assert r["ttft_ms"] > 100  # a 1024-token prefill of a 7B model on a 4090 takes ~0.13 s
+        assert 18 < r["tpot_ms"] < 40
+
+
+def reusable_prefix_tokens(rows) -> int:
+    """The truth: prompt tokens whose 512-token block (and every block before it) an earlier request had."""
+    seen: set[int] = set()
+    total = 0
+    for r in rows:
+        for h in r.hash_ids[: r.input_tokens // 512]:
+            if h not in seen:
+                break
+            total += 512
+        seen.update(r.hash_ids)
+    return total
+
+
+def test_mooncake_trace_drives_prefix_caching_and_the_tier(tmp_path):
+    from dataclasses import replace
+
+    from kvcap.workload.trace import read_trace
+
+    rows = [r for r in read_trace(str(SHARED / "data" / "traces" / "mooncake_conversation_trace.jsonl"), limit=600)
+            if r.arrival_s < 120]
+    sc = scenario(serving__kv_offload="remote", serving__routing="kv_aware", load__duration="120s",
+                  load__warmup="0s", model__preset="llama-3.1-8b", model__weights_dtype="bf16",
+                  cluster__gpu__preset="a100-80gb", cluster__remote_memory="4TiB")
+    plan_ = replace(load_plan_from(sc), mode="trace", levels=(1.0,), trace=tuple(rows), drain_timeout_s=600)
+    out = tmp_path / "trace"
+    summary = run_sim(SimConfig(scenario=sc, plan=plan_, out=out, slo=SLO))
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert summary["levels"][0]["mode"] == "trace"
+    assert len(records) == len(rows) and all(r["ok"] for r in records)  # every row served, none lost
+    hbm = sum(r["prefix_hit_tokens"] for r in records)
+    tier = sum(r["tier_hit_tokens"] for r in records)
+    truth = reusable_prefix_tokens(rows)
+    assert 0.7 * truth <= hbm + tier <= truth  # never more reuse than the trace holds; most of it found
+    assert tier > 0  # a prefix cached on another replica comes from the shared pool over the NIC
+    hit = [r for r in records if r["prefix_hit_tokens"] >= 4096]
+    miss = [r for r in records if r["prefix_hit_tokens"] + r["tier_hit_tokens"] == 0 and r["input_tokens"] >= 4096]
+    # time from admission to first token, per prompt token: cached prefixes are not recomputed
+    per_token = lambda rs: np.median([(r["ttft_ms"] - r["queue_ms"]) / r["input_tokens"] for r in rs])  # noqa: E731
+    assert hit and miss and per_token(hit) < 0.5 * per_token(miss)
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+
+
+def test_sim_cli_writes_a_run_directory_analyze_reads(tmp_path):
+    out = tmp_path / "run"
+    p = run_cli("sim", str(SCENARIO), "--out", str(out), "--concurrency", "8,48", "--duration", "20s",
+                "--warmup", "5s", "--repeats", "2", "--set", "serving.kv_offload=remote", "--json")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"] == "sim"
+    assert manifest["fixed"]["serving.kv_offload"] == "remote"
+    assert manifest["fixed"]["model.preset"] == "llama-2-7b"
+    names = {json.loads(line)["name"] for line in (out / "telemetry.jsonl").read_text().splitlines()}
+    assert {"server.requests_running", "server.requests_waiting", "server.requests_parked", "server.kv_usage",
+            "server.preemptions_total", "gpu.util", "link.util", "net.tx_bytes_s", "server.kv_tier_usage"} <= names
+    levels = [json.loads(line) for line in (out / "levels.jsonl").read_text().splitlines()]
+    assert len(levels) == 4 and {lv["repeat"] for lv in levels} == {0, 1}
+    assert summary["sim"]["realtime_factor"] > 100
+    again = run_cli("analyze", str(out), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["levels"][1]["output_tok_s"] == summary["levels"][1]["output_tok_s"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--set", "cluster.nodes=0"], "cluster.nodes"),
+    (["--set", "serving.kv_offload=disk"], "serving.kv_offload"),
+    (["--set", "cluster.bogus=1"], "unknown key"),
+    (["--concurrency", "8,x"], "--concurrency"),
+    (["--set", "workload.input_tokens=uniform:9"], "input"),
+])
+def test_sim_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
+    p = run_cli("sim", str(SCENARIO), "--out", str(tmp_path / "x"), *args)
+    assert p.returncode == 2, p.stderr
+    assert fragment in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_sim_missing_scenario_is_exit_2(tmp_path):
+    p = run_cli("sim", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "x"))
+    assert p.returncode == 2 and "not found" in p.stderr
+
+
+def test_demo_gives_the_verdict_and_the_report(tmp_path):
+    out = tmp_path / "demo"
+    p = run_cli("demo", "--out", str(out), "--set", "load.repeats=2", "--set", "load.duration=30s",
+                "--set", "load.concurrency=[16,48,96]")
+    assert p.returncode == 0, p.stderr
+    assert "verdict: capacity-only" in p.stdout
+    assert str(out / "report.html") in p.stdout
+    result = json.loads((out / "compare.json").read_text())
+    assert result["verdict"] == "capacity-only"
+    c, t = result["control"], result["treatment"]
+    assert c["effective"] == t["effective"] == 48
+    assert t["resident"] == 96 > c["resident"]
+    assert result["fixed_variables"]["equal"] and result["fixed_variables"]["under_test"] == ["serving.kv_offload"]
+    for arm in ("control", "treatment"):
+        assert (out / arm / "requests.jsonl").exists() and (out / arm / "summary.json").exists()
+    html = (out / "report.html").read_text()
+    assert "capacity-only" in html and "<svg" in html
