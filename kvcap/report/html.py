@@ -391,12 +391,14 @@ def _summaries(result: dict[str, Any], runs: dict[str, RunDir]) -> dict[str, dic
 
 
 def telemetry_series(rows: Iterable[dict[str, Any]], name: str, how: str = "sum") -> list[tuple[float, float]]:
-    """One value per sample time: summed over labels (replicas, nodes) for counts, averaged for fractions."""
+    """One value per sample time: summed over labels (replicas, nodes) for counts, averaged for fractions, or the
+    largest (``how="max"``: the busiest link)."""
     acc: dict[float, list[float]] = defaultdict(list)
     for row in rows:
         if row.get("name") == name and _finite(row.get("t_s")) and _finite(row.get("value")):
             acc[float(row["t_s"])].append(float(row["value"]))
-    pts = [(t, sum(v) if how == "sum" else sum(v) / len(v)) for t, v in sorted(acc.items())]
+    agg = {"sum": sum, "max": max}.get(how, lambda v: sum(v) / len(v))
+    pts = [(t, agg(v)) for t, v in sorted(acc.items())]
     if len(pts) > MAX_POINTS:
         step = math.ceil(len(pts) / MAX_POINTS)
         pts = pts[::step]
@@ -520,6 +522,8 @@ def _time_series(arms: Sequence[Arm]) -> str:
             continue
         running = telemetry_series(rows, "server.requests_running")
         waiting = telemetry_series(rows, "server.requests_waiting")
+        parked = telemetry_series(rows, "server.requests_parked")
+        links = telemetry_series(rows, "link.util", how="max")
         kv = {n: telemetry_series(rows, n, how="mean") for n in ("server.kv_usage", "server.kv_usage_host")}
         kv = {n: s for n, s in kv.items() if s}
         if not (running or waiting or kv):
@@ -532,8 +536,10 @@ def _time_series(arms: Sequence[Arm]) -> str:
         charts = []
         if running or waiting:
             series = [Series("running", "#2a9d8f", running, markers=False),
-                      Series("waiting", "#d1495b", waiting, dash="5,3", markers=False)]
-            charts.append(svg_chart(f"{a.label}: server requests running / waiting", [s for s in series if s.points],
+                      Series("waiting", "#d1495b", waiting, dash="5,3", markers=False),
+                      Series("parked in a lower tier", "#e9a23b", parked, dash="2,2", markers=False)]
+            title = "running / waiting / parked" if parked else "running / waiting"
+            charts.append(svg_chart(f"{a.label}: server requests {title}", [s for s in series if s.points],
                                     x_label="time since start (s)", y_label="requests", bands=bands,
                                     vlines=starts, legend_extra=extra, css_class="plot timeseries"))
         fractions = {n: s for n, s in kv.items() if max(v for _, v in s) <= 1.0001}
@@ -549,6 +555,11 @@ def _time_series(arms: Sequence[Arm]) -> str:
             charts.append(svg_chart(f"{a.label}: KV cache usage", series, x_label="time since start (s)",
                                     y_label="usage (%)", bands=bands, vlines=starts, legend_extra=extra,
                                     css_class="plot timeseries"))
+        if links:
+            charts.append(svg_chart(f"{a.label}: busiest link utilisation", [Series(
+                "link.util (max over links)", "#3d5a80", [(t, v * 100) for t, v in links], markers=False)],
+                x_label="time since start (s)", y_label="utilisation (% of line rate)", bands=bands, vlines=starts,
+                legend_extra=extra, css_class="plot timeseries"))
         parts.append(f"<h3>{esc(a.label)}</h3><div class=\"plots\">{''.join(charts)}</div>")
     if not parts:
         return '<p class="muted">No server telemetry in the run directories (no metrics endpoint was scraped).</p>'

@@ -80,8 +80,19 @@ class SimRequest:
         return self.prompt + self.out if self.out else self.prompt
 
     def token_times(self) -> np.ndarray:
-        parts = [np.atleast_1d(np.asarray(c, float)) for c in self.chunks]
-        return np.concatenate(parts) if parts else np.zeros(0)
+        parts: list[np.ndarray] = []
+        singles: list[float] = []
+        for c in self.chunks:
+            if type(c) is float:
+                singles.append(c)
+                continue
+            if singles:
+                parts.append(np.array(singles))
+                singles = []
+            parts.append(c)
+        if singles:
+            parts.append(np.array(singles))
+        return np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.zeros(0))
 
 
 @dataclass(frozen=True)
@@ -239,9 +250,10 @@ class Replica:
         return n
 
     def _private_need(self, req: SimRequest, tokens: int) -> int:
-        shared_tokens = len(req.shared) * self.cfg.hash_block_tokens
-        return max(0, self.blocks_for(tokens) - len(req.shared) * self.hash_blocks
-                   if shared_tokens else self.blocks_for(tokens)) - req.blocks
+        """Blocks the request must still take to hold ``tokens`` (negative: it holds more than that)."""
+        if req.shared:
+            return max(0, self.blocks_for(tokens) - len(req.shared) * self.hash_blocks) - req.blocks
+        return self.blocks_for(tokens) - req.blocks
 
     def _release(self, req: SimRequest) -> None:
         self._give(req.blocks)
@@ -331,16 +343,23 @@ class Replica:
         reserved: dict[int, int] = {}
         # 1. running requests, oldest first; preempt from the newest when a block is missing
         i = 0
+        plain = cfg.blocks_for is None
+        bs = self.B
         while i < len(self.running):
             req = self.running[i]
-            if req.kv >= req.target - 1 and req.out:
+            kv = req.kv
+            if req.out and kv >= req.prompt + req.out - 1:
                 chunk = 1
             else:
-                chunk = min(req.target - req.kv, budget) if cfg.chunked_prefill else req.target - req.kv
+                chunk = min(req.target - kv, budget) if cfg.chunked_prefill else req.target - kv
             if chunk <= 0 or budget <= 0:
                 i += 1
                 continue
-            need = max(0, self._private_need(req, req.kv + chunk))
+            if plain and not req.shared:  # the common case, inlined: ceil((kv + chunk) / block) - held
+                need = -(-(kv + chunk) // bs) - req.blocks
+                need = need if need > 0 else 0
+            else:
+                need = max(0, self._private_need(req, kv + chunk))
             lost = False
             while need > 0 and not self._take(need):
                 victim = self.running[-1]
