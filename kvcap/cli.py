@@ -470,8 +470,10 @@ def _cmd_sim(a: argparse.Namespace) -> int:
     else:
         render_levels(summary, title=f"kvcap sim → {cfg.out}")
         s = summary["sim"]
-        print(f"{s['requests']:,} requests, {s['simulated_s']:,.0f} s simulated in {s['engine_wall_s']:.2f} s "
-              f"({s['realtime_factor']:,.0f}× real time)")
+        rt = f" ({s['realtime_factor']:,.0f}× real time)" if s.get("realtime_factor") else ""
+        print(f"{s['requests']:,} requests, {s['simulated_s']:,.0f} s simulated in {s['engine_wall_s']:.2f} s{rt}"
+              + (" — interrupted: the levels that finished and every finished request are kept"
+                 if summary.get("interrupted") else ""))
     return 130 if summary.get("interrupted") else 0
 
 

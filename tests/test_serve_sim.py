@@ -52,6 +52,17 @@ def test_bench_against_serve_sim_matches_the_simulators_log(serve_sim, tmp_path)
     url, log = serve_sim
     with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
         assert json.load(r)["data"][0]["id"] == "llama-2-7b"
+    body = json.dumps({"model": "llama-2-7b", "messages": [{"role": "user", "content": "hello " * 300}],
+                       "max_tokens": 20}).encode()
+    chat = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                  headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(chat, timeout=30) as r:
+        reply = json.load(r)
+    took = time.perf_counter() - t0
+    assert reply["usage"] == {"prompt_tokens": 300, "completion_tokens": 20, "total_tokens": 320}
+    assert reply["choices"][0]["message"]["role"] == "assistant"
+    assert 0.03 + 19 * 0.018 < took < 2.0  # a short prefill and 19 decode steps of ~20 ms, in real time
     out = tmp_path / "bench"
     p = run_cli("bench", "--url", url, "--concurrency", "4,24", "--input-tokens", "1024", "--output-tokens", "64",
                 "--warmup", "2s", "--duration", "8s", "--metrics-url", url + "/metrics", "--out", str(out),
@@ -59,7 +70,8 @@ def test_bench_against_serve_sim_matches_the_simulators_log(serve_sim, tmp_path)
     assert p.returncode == 0, p.stderr
     time.sleep(0.5)
     measured = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    logged = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda r: r["start_s"])[1:]
+    # (the first logged request is the chat call above)
     assert all(r["ok"] for r in measured) and all(r["ok"] for r in logged)
     assert len(measured) == len(logged) > 40
     assert sum(r["output_tokens"] for r in measured) == sum(r["output_tokens"] for r in logged)

@@ -299,3 +299,30 @@ def test_demo_gives_the_verdict_and_the_report(tmp_path):
         assert (out / arm / "requests.jsonl").exists() and (out / arm / "summary.json").exists()
     html = (out / "report.html").read_text()
     assert "capacity-only" in html and "<svg" in html
+
+
+def test_sim_sigint_keeps_records_and_writes_the_summary(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "long"
+    proc = subprocess.Popen([sys.executable, "-m", "kvcap", "sim", str(SCENARIO), "--out", str(out), "--concurrency",
+                             "96", "--duration", "100000s", "--repeats", "1", "--quiet"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        req = out / "requests.jsonl"
+        if req.exists() and req.stat().st_size > 200_000:
+            break
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert rc == 130, proc.stderr.read()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert summary["levels"][0]["requests"] + 1 >= sum(1 for x in lines if json.loads(x)["phase"] == "measure") > 0
