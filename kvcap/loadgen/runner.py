@@ -20,8 +20,7 @@ import aiohttp
 
 from kvcap.loadgen.client import READ_BUFSIZE, ConnectionPolicy, Outcome, Target, stream_request, to_record
 from kvcap.loadgen.monitor import LoopMonitor
-from kvcap.workload.arrivals import arrival_offsets, parse_arrival
-from kvcap.workload.loadplan import LoadPlan
+from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 from kvcap.workload.prompts import PromptFactory, RequestSpec, TokenCounter
 
 
@@ -186,26 +185,12 @@ class Runner:
     def _schedule(self, level: float, repeat: int) -> tuple[list[float], list[Callable[[], RequestSpec]]]:
         p = self.plan
         if p.mode == "trace":
-            rows = list(p.trace)
-            offsets = [r.arrival_s / p.trace_speed for r in rows]
-            if p.duration_s is not None:
-                keep = [k for k, t in enumerate(offsets) if t < p.warmup_s + p.duration_s]
-                rows, offsets = [rows[k] for k in keep], [offsets[k] for k in keep]
-            if p.requests is not None:
-                n_warm = sum(1 for t in offsets if t < p.warmup_s)
-                rows, offsets = rows[: n_warm + p.requests], offsets[: n_warm + p.requests]
+            rows, offsets = trace_schedule(p)
             makers = [(lambda k=k, r=r: self.factory.trace_request(k, r.input_tokens, r.output_tokens, r.hash_ids,
                                                                     level=level, repeat=repeat))
                       for k, r in enumerate(rows)]
             return offsets, makers
-        kind, cv = parse_arrival(p.arrival)
-        seed = (p.seed, round(level * 1000), repeat)
-        if p.requests is not None:
-            n = math.ceil(level * p.warmup_s) + p.requests
-            offs = arrival_offsets(kind, cv, level, 0.0, seed=seed, max_n=n)  # type: ignore[arg-type]
-        else:
-            offs = arrival_offsets(kind, cv, level, p.warmup_s + (p.duration_s or 0.0), seed=seed)  # type: ignore[arg-type]
-        offsets = [float(x) for x in offs]
+        offsets = rate_schedule(p, level, repeat)
         makers = [(lambda k=k: self.factory.request(k, level=level, repeat=repeat)) for k in range(len(offsets))]
         return offsets, makers
 

@@ -31,9 +31,9 @@ from kvcap.rundir import SUMMARY, RunDir, RunWriter, write_json_atomic
 from kvcap.sim.cluster import ClusterModel, cluster_model
 from kvcap.sim.engine import SimRequest, Simulation
 from kvcap.specs.scenario import Scenario
-from kvcap.workload.arrivals import arrival_offsets, parse_arrival
+from kvcap.workload.arrivals import parse_arrival
 from kvcap.workload.lengths import parse_length
-from kvcap.workload.loadplan import LoadPlan
+from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 
 SAMPLE_S = 1.0
 LEVEL_GAP_S = 1.0
@@ -258,25 +258,10 @@ def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, 
             issue(0.0)
     else:
         if mode == "trace":
-            rows = list(plan.trace)
-            offsets = [r.arrival_s / plan.trace_speed for r in rows]
-            if plan.duration_s is not None:
-                keep = [k for k, t in enumerate(offsets) if t < plan.warmup_s + plan.duration_s]
-                rows, offsets = [rows[k] for k in keep], [offsets[k] for k in keep]
-            if plan.requests is not None:
-                n_warm = sum(1 for t in offsets if t < plan.warmup_s)
-                rows, offsets = rows[: n_warm + plan.requests], offsets[: n_warm + plan.requests]
+            rows, offsets = trace_schedule(plan)
             specs = [(t, r.input_tokens, r.output_tokens, r.hash_ids) for t, r in zip(offsets, rows)]
         else:
-            kind, cv = parse_arrival(plan.arrival)
-            seed = (plan.seed, round(level * 1000), repeat)
-            if plan.requests is not None:
-                n = math.ceil(level * plan.warmup_s) + plan.requests
-                offs = arrival_offsets(kind, cv, level, 0.0, seed=seed, max_n=n)  # type: ignore[arg-type]
-            else:
-                offs = arrival_offsets(kind, cv, level, plan.warmup_s + (plan.duration_s or 0.0),  # type: ignore[arg-type]
-                                       seed=seed)
-            specs = [(float(t), *lengths.next(), ()) for t in offs]
+            specs = [(t, *lengths.next(), ()) for t in rate_schedule(plan, level, repeat)]
         for t, i_tok, o_tok, hashes in specs:
             req = new_request(t, i_tok, o_tok, tuple(hashes))
             if req.tags["phase"] == "measure":

@@ -3,9 +3,11 @@ load model, their phases (warm-up, measured window by duration or request count)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvcap.workload.arrivals import arrival_offsets, parse_arrival
 from kvcap.workload.trace import TraceRow
 
 Mode = Literal["concurrency", "rate", "trace"]
@@ -40,3 +42,29 @@ class LoadPlan:
             d["load.trace_speed"] = self.trace_speed
             d["load.trace_requests"] = len(self.trace)
         return d
+
+
+def trace_schedule(plan: LoadPlan) -> tuple[list[TraceRow], list[float]]:
+    """The trace rows one level replays and their offsets (s): time-compressed, cut to warm-up + duration,
+    and to the warm-up rows + ``requests`` when a request count is set."""
+    rows = list(plan.trace)
+    offsets = [r.arrival_s / plan.trace_speed for r in rows]
+    if plan.duration_s is not None:
+        keep = [k for k, t in enumerate(offsets) if t < plan.warmup_s + plan.duration_s]
+        rows, offsets = [rows[k] for k in keep], [offsets[k] for k in keep]
+    if plan.requests is not None:
+        n_warm = sum(1 for t in offsets if t < plan.warmup_s)
+        rows, offsets = rows[: n_warm + plan.requests], offsets[: n_warm + plan.requests]
+    return rows, offsets
+
+
+def rate_schedule(plan: LoadPlan, level: float, repeat: int) -> list[float]:
+    """Open-loop arrival offsets (s) of one level, fixed in advance, seeded by (seed, level, repeat)."""
+    kind, cv = parse_arrival(plan.arrival)
+    seed = (plan.seed, round(level * 1000), repeat)
+    if plan.requests is not None:
+        n = math.ceil(level * plan.warmup_s) + plan.requests
+        offs = arrival_offsets(kind, cv, level, 0.0, seed=seed, max_n=n)  # type: ignore[arg-type]
+    else:
+        offs = arrival_offsets(kind, cv, level, plan.warmup_s + (plan.duration_s or 0.0), seed=seed)  # type: ignore[arg-type]
+    return [float(x) for x in offs]
