@@ -214,7 +214,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
     g.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     g.add_argument("--slo", metavar="SPEC", help="e.g. ttft_p95=500ms,tpot_p95=80ms,error_rate=1%%")
-    g.add_argument("--metrics-url", action="append", metavar="URL", help="server /metrics to sample each second")
+    g.add_argument("--metrics-url", action="append", metavar="[NODE=]URL",
+                   help="a /metrics to sample each second (repeatable; NODE labels its rows, e.g. node1=http://…)")
+    g.add_argument("--prometheus", metavar="URL",
+                   help="Prometheus to query after the run for every known series in its window (DCGM, node "
+                        "exporter, engines): query_range, step 1 s")
     g.add_argument("--arm", help="arm name for A/B (stored in the manifest)")
     g.add_argument("--fixed", action="append", metavar="KEY=VALUE",
                    help="declare a fixed variable for compare, e.g. cluster.gpus=4 (repeatable)")
@@ -298,6 +302,10 @@ def _bench_config(a: argparse.Namespace) -> Any:
                     max_inflight=a.max_inflight, drain_timeout_s=timeout, trace=trace, trace_speed=a.trace_speed)
     if a.prefix_tokens < 0 or a.prefix_groups < 0 or (a.prefix_tokens > 0) != (a.prefix_groups > 0):
         raise InputError("--prefix-tokens and --prefix-groups go together and must be positive")
+    from kvcap.telemetry.scrape import parse_target
+
+    for spec in a.metrics_url or []:
+        parse_target(spec)
     fixed = parse_set(a.fixed)
     vary = parse_set(a.vary)
     fixed.update(vary)
@@ -305,8 +313,15 @@ def _bench_config(a: argparse.Namespace) -> Any:
                        output_dist=parse_length(a.output_tokens, "--output-tokens"), tokenizer=a.tokenizer,
                        dataset=a.dataset, prefix_tokens=a.prefix_tokens, prefix_groups=a.prefix_groups,
                        unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
+                       prometheus=_prometheus_url(a.prometheus),
                        slo=parse_slo(a.slo), workers=a.workers, overwrite=a.overwrite, arm=a.arm, fixed=fixed,
                        record_text=a.record_text, under_test=sorted(vary))
+
+
+def _prometheus_url(url: str | None) -> str | None:
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise InputError(f"--prometheus must be an http(s):// URL, got {url!r}")
+    return url
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
@@ -620,7 +635,7 @@ def _cmd_analyze(a: argparse.Namespace) -> int:
     run = RunDir(a.dir)
     old = run.summary or {}
     summary = build_summary(run, slo=parse_slo(a.slo) if a.slo else None)
-    for key in ("client", "interrupted", "telemetry_samples", "sim"):
+    for key in ("client", "interrupted", "telemetry_samples", "sim", "prometheus"):
         if key in old:
             summary[key] = old[key]
     write_json_atomic(run.dir / SUMMARY, summary)

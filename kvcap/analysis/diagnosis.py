@@ -42,6 +42,7 @@ def diagnose(summary: dict[str, Any], arm: str = "run") -> list[dict[str, Any]]:
     if full is not None:
         out.append(full | {"arm": arm})
         out += _link(levels, arm)
+        out += _imbalance(levels, arm)
         return out
     waiting = [lv for lv in levels if (lv.get("server_waiting_mean") or 0) >= 0.5]
     queued = waiting or [lv for lv in levels if tt0 and _p(lv, "ttft") and _p(lv, "ttft") > 2 * tt0 + 5 * (tp0 or 0)]
@@ -70,6 +71,7 @@ def diagnose(summary: dict[str, Any], arm: str = "run") -> list[dict[str, Any]]:
                         "direction": "the GPU is the limit, not memory: more memory won't raise stable "
                                      "concurrency; add compute (GPUs/replicas), quantize, or cap the batch"})
     out += _link(levels, arm)
+    out += _imbalance(levels, arm)
     if not out:
         out.append({"arm": arm, "bound": "none_seen",
                     "evidence": f"TPOT p50 {tp0} → {tp1} ms, no queueing seen up to c={last['level']}",
@@ -116,4 +118,17 @@ def _link(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
         return [{"arm": arm, "bound": "interconnect", "evidence": f"link utilisation up to {max(util):.0%}",
                  "direction": "remote KV traffic saturates the link: faster interconnect, keep hot KV local, or "
                               "offload only cold prefixes"}]
+    return []
+
+
+def _imbalance(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
+    """A node saturates while another idles (per-node telemetry): the cluster is as good as its hottest node."""
+    for lv in levels:
+        hot = lv.get("imbalance")
+        if hot:
+            return [{"arm": arm, "bound": "imbalance",
+                     "evidence": f"at c={lv['level']} node {hot['hot']} has {hot['metric']} {hot['hot_value']:.0%} "
+                                 f"while node {hot['cold']} has {hot['cold_value']:.0%}",
+                     "direction": "one node saturates while others idle: fix routing / placement (KV-aware or "
+                                  "least-loaded balancing) before adding memory or GPUs"}]
     return []

@@ -13,59 +13,23 @@ import numpy as np
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.stats import check_slo, level_key, summarize_level
+from kvcap.analysis.telemetry import add, dedupe_sources, imbalance, node_figures, nodes, series, within
 from kvcap.rundir import RunDir
-
-
-def _series(telemetry: list[dict[str, Any]], name: str) -> list[tuple[float, float]]:
-    """One value per sample time (summed over labels, e.g. replicas or nodes)."""
-    acc: dict[float, float] = defaultdict(float)
-    for row in telemetry:
-        if row.get("name") == name:
-            acc[float(row["t_s"])] += float(row["value"])
-    return sorted(acc.items())
-
-
-def _add_series(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    acc: dict[float, float] = defaultdict(float)
-    for t, v in a + b:
-        acc[t] += v
-    return sorted(acc.items())
-
-
-def _series_max(telemetry: list[dict[str, Any]], name: str) -> list[tuple[float, float]]:
-    """The largest value per sample time (e.g. the busiest link)."""
-    acc: dict[float, float] = {}
-    for row in telemetry:
-        if row.get("name") == name:
-            t = float(row["t_s"])
-            acc[t] = max(acc.get(t, float("-inf")), float(row["value"]))
-    return sorted(acc.items())
-
-
-def _series_mean(telemetry: list[dict[str, Any]], name: str) -> list[tuple[float, float]]:
-    """The mean over labels per sample time (e.g. GPU utilisation across replicas)."""
-    acc: dict[float, list[float]] = defaultdict(list)
-    for row in telemetry:
-        if row.get("name") == name:
-            acc[float(row["t_s"])].append(float(row["value"]))
-    return sorted((t, float(np.mean(v))) for t, v in acc.items())
-
-
-def _in(series: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
-    return [(t, v) for t, v in series if t0 <= t <= t1]
 
 
 def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str, Any]:
     slo = slo if slo is not None else (run.manifest.get("slo") or {})
     records = run.records()
-    telemetry = run.telemetry()
-    running, waiting = _series(telemetry, "server.requests_running"), _series(telemetry, "server.requests_waiting")
-    parked = _series(telemetry, "server.requests_parked")
-    resident_series = _add_series(running, parked) if parked else running
-    preempt = _series(telemetry, "server.preemptions_total")
-    link_util = _series_max(telemetry, "link.util")
-    gpu_util = _series_mean(telemetry, "gpu.util")
-    kv_usage = _series_mean(telemetry, "server.kv_usage")
+    telemetry = dedupe_sources(run.telemetry())
+    running, waiting = series(telemetry, "server.requests_running"), series(telemetry, "server.requests_waiting")
+    parked = series(telemetry, "server.requests_parked")
+    resident_series = add(running, parked) if parked else running
+    preempt = series(telemetry, "server.preemptions_total")
+    link_util = series(telemetry, "link.util")
+    gpu_util = series(telemetry, "gpu.util")
+    kv_usage = series(telemetry, "server.kv_usage")
+    net_rx, net_tx = series(telemetry, "net.rx_bytes_s"), series(telemetry, "net.tx_bytes_s")
+    node_names = nodes(telemetry)
     by_level: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         by_level[level_key(r)].append(r)
@@ -96,26 +60,32 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
             entry["achieved_rate"] = round(float(np.median(rates)), 4)
         entry["client_warnings"] = sorted({w for i in reps.values() for w in (i.get("client") or {}).get("warnings", [])})
         w0, w1 = next(iter(windows.values()), (0.0, 0.0))
-        level_running = [v for _, v in _in(running, w0, w1)]
-        level_waiting = [v for _, v in _in(waiting, w0, w1)]
+        level_running = [v for _, v in within(running, w0, w1)]
+        level_waiting = [v for _, v in within(waiting, w0, w1)]
         if level_running:
             entry["server_running_max"] = max(level_running)
             entry["server_running_mean"] = round(float(np.mean(level_running)), 3)
         if level_waiting:
             entry["server_waiting_mean"] = round(float(np.mean(level_waiting)), 3)
             entry["server_waiting_max"] = max(level_waiting)
-        level_parked = [v for _, v in _in(parked, w0, w1)]
+        level_parked = [v for _, v in within(parked, w0, w1)]
         if level_parked:
             entry["server_parked_max"] = max(level_parked)
             entry["server_parked_mean"] = round(float(np.mean(level_parked)), 3)
-        for key, series, fn in (("link_util_max", link_util, max), ("gpu_util_mean", gpu_util, np.mean),
-                                ("kv_usage_mean", kv_usage, np.mean), ("kv_usage_max", kv_usage, max)):
-            vals = [v for _, v in _in(series, w0, w1)]
+        for key, ser, fn in (("link_util_max", link_util, max), ("gpu_util_mean", gpu_util, np.mean),
+                             ("kv_usage_mean", kv_usage, np.mean), ("kv_usage_max", kv_usage, max),
+                             ("net_rx_bytes_s_mean", net_rx, np.mean), ("net_tx_bytes_s_mean", net_tx, np.mean)):
+            vals = [v for _, v in within(ser, w0, w1)]
             if vals:
                 entry[key] = round(float(fn(vals)), 4)
-        p = _in(preempt, w0, w1)
+        if node_names:
+            entry["nodes"] = node_figures(telemetry, w0, w1)
+            hot = imbalance(entry["nodes"])
+            if hot:
+                entry["imbalance"] = hot
+        p = within(preempt, w0, w1)
         entry["littles_law"] = littles_law(entry)
-        extra[mode][value] = {"stationarity": stationarity(recs, (w0, w1), _in(waiting, w0, w1) or None),
+        extra[mode][value] = {"stationarity": stationarity(recs, (w0, w1), within(waiting, w0, w1) or None),
                               "preemptions": (p[-1][1] - p[0][1]) if len(p) >= 2 else 0}
         levels.append(entry)
     for mode in {lv["mode"] for lv in levels}:

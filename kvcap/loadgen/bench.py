@@ -4,11 +4,13 @@ in worker processes), sample server metrics, and summarise what finished (also a
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import platform
 import queue
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -42,6 +44,10 @@ class BenchConfig:
     prefix_groups: int = 0
     unique_prefix: bool = True
     metrics_urls: list[str] = field(default_factory=list)
+    prometheus: str | None = None
+    """Prometheus base URL: after the run, every known series in the run window is fetched (query_range)."""
+    prometheus_wait_s: float = 2.0
+    """How long to let Prometheus scrape the end of the run before querying it."""
     slo: dict[str, float] = field(default_factory=dict)
     workers: int = 1
     overwrite: bool = False
@@ -143,6 +149,8 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     if not (cfg.append and (cfg.out / "manifest.json").exists()):
         writer.manifest(_manifest(cfg, server, factory, started))
     origin = cfg.origin if cfg.origin is not None else time.perf_counter()
+    epoch_at_origin = time.time() - (time.perf_counter() - origin)
+    _record_clock(cfg.out, epoch_at_origin)
     stop = stop or asyncio.Event()
     client_stats: list[dict[str, Any]] = []
     interrupted = False
@@ -165,13 +173,45 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
         if sampler.urls:
             await sampler.stop(session)
         await session.close()
+        prom = await _fetch_prometheus(cfg, writer, epoch_at_origin, started) if cfg.prometheus else {}
         writer.close()
     summary = build_summary(RunDir(cfg.out), slo=cfg.slo)
+    if prom:
+        summary["prometheus"] = prom
     summary["interrupted"] = interrupted
     summary["client"] = _client_summary(client_stats)
     summary["telemetry_samples"] = sampler.samples
     write_json_atomic(cfg.out / SUMMARY, summary)
     return summary
+
+
+def _record_clock(out: Path, epoch_at_origin: float) -> None:
+    """The run's time axis in wall-clock terms (t_s = epoch − epoch_at_origin), for aligning Prometheus samples."""
+    path = out / "manifest.json"
+    if not path.exists():
+        return
+    m = json.loads(path.read_text())
+    m.setdefault("clock", {"epoch_at_origin": epoch_at_origin})
+    write_json_atomic(path, m)
+
+
+async def _fetch_prometheus(cfg: BenchConfig, writer: RunWriter, epoch_at_origin: float,
+                            started: float) -> dict[str, Any]:
+    """Pull the run window from Prometheus into telemetry.jsonl; a failure is reported, never fatal to the run."""
+    from kvcap.errors import InputError
+    from kvcap.telemetry.prometheus import fetch
+
+    await asyncio.sleep(cfg.prometheus_wait_s)
+    end = time.time()
+    try:
+        rows = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: fetch(cfg.prometheus or "", started - 1.0, end, epoch_at_origin))
+    except InputError as exc:
+        print(f"kvcap bench: warning: {exc}", file=sys.stderr)
+        return {"url": cfg.prometheus, "error": str(exc), "rows": 0}
+    writer.telemetry(rows)
+    return {"url": cfg.prometheus, "rows": len(rows),
+            "series": len({(r["name"], tuple(sorted(r["labels"].items()))) for r in rows})}
 
 
 def _client_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:

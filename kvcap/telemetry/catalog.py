@@ -1,56 +1,85 @@
-"""One vocabulary for server metrics, whatever the engine: raw Prometheus name → normalised name.
+"""One vocabulary for server, GPU and host metrics, whatever the engine: raw Prometheus name → normalised name.
 
-The raw name is kept in ``labels.raw`` of every telemetry row, so nothing is lost by normalising.
+The mapping is data (``catalog.yaml``): each raw name's normalised name, unit, type, scale into that unit, and
+whether its per-second rate is what we keep. The raw name stays in ``labels.raw`` of every telemetry row, so
+nothing is lost by normalising. :func:`counter_rates` turns counter samples into rates across resets.
 """
 
 from __future__ import annotations
 
-NORMALISED: dict[str, str] = {
-    # vLLM (V0 and V1 names)
-    "vllm:num_requests_running": "server.requests_running",
-    "vllm:num_requests_waiting": "server.requests_waiting",
-    "vllm:kv_cache_usage_perc": "server.kv_usage",
-    "vllm:gpu_cache_usage_perc": "server.kv_usage",
-    "vllm:num_preemptions_total": "server.preemptions_total",
-    "vllm:num_preemptions": "server.preemptions_total",
-    "vllm:prompt_tokens_total": "server.prompt_tokens_total",
-    "vllm:generation_tokens_total": "server.generation_tokens_total",
-    "vllm:prefix_cache_hits_total": "server.prefix_cache_hits_total",
-    "vllm:prefix_cache_queries_total": "server.prefix_cache_queries_total",
-    "vllm:num_requests_swapped": "server.requests_swapped",
-    "vllm:cpu_cache_usage_perc": "server.kv_usage_host",
-    # SGLang
-    "sglang:num_running_reqs": "server.requests_running",
-    "sglang:num_queue_reqs": "server.requests_waiting",
-    "sglang:token_usage": "server.kv_usage",
-    "sglang:prompt_tokens_total": "server.prompt_tokens_total",
-    "sglang:generation_tokens_total": "server.generation_tokens_total",
-    "sglang:cache_hit_rate": "server.prefix_cache_hit_rate",
-    # TGI
-    "tgi_batch_current_size": "server.requests_running",
-    "tgi_queue_size": "server.requests_waiting",
-    # llama.cpp server (--metrics)
-    "llamacpp:requests_processing": "server.requests_running",
-    "llamacpp:requests_deferred": "server.requests_waiting",
-    "llamacpp:kv_cache_usage_ratio": "server.kv_usage",
-    "llamacpp:prompt_tokens_total": "server.prompt_tokens_total",
-    "llamacpp:tokens_predicted_total": "server.generation_tokens_total",
-    "llamacpp:n_decode_total": "server.decode_calls_total",
-    # kvcap serve-sim (the simulator's own gauge: requests whose KV is parked in an offload tier)
-    "kvcap:num_requests_parked": "server.requests_parked",
-    # LMCache
-    "lmcache:num_hit_tokens_total": "server.offload_hit_tokens_total",
-    "lmcache:num_requested_tokens_total": "server.offload_requested_tokens_total",
-    "lmcache:local_cache_usage": "server.kv_usage_host",
-}
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Entry:
+    raw: str
+    engine: str
+    name: str
+    unit: str
+    type: str
+    scale: float = 1.0
+    rate: bool = False
+
+
+@cache
+def _load() -> tuple[dict[str, Entry], dict[str, str]]:
+    data = yaml.safe_load((resources.files("kvcap.telemetry") / "catalog.yaml").read_text())
+    entries: dict[str, Entry] = {}
+    prefixes: dict[str, str] = {}
+    for engine, spec in data["engines"].items():
+        prefixes[engine] = spec["prefix"]
+        for raw, e in spec["metrics"].items():
+            entries[raw] = Entry(raw=raw, engine=engine, name=e["name"], unit=e["unit"], type=e["type"],
+                                 scale=float(e.get("scale", 1.0)), rate=bool(e.get("rate", False)))
+    return entries, prefixes
+
+
+def entry(raw: str) -> Entry | None:
+    """The catalog entry of a raw sample name (counter ``_total`` suffixes tolerated either way), or None."""
+    entries, _ = _load()
+    hit = entries.get(raw)
+    if hit is None and raw.endswith("_total"):
+        hit = entries.get(raw[: -len("_total")])
+    if hit is None:
+        hit = entries.get(raw + "_total")
+    return hit
 
 
 def normalise(raw: str) -> str | None:
-    """Normalised name for a raw sample name (counter ``_total`` suffixes tolerated), or None if unknown."""
-    if raw in NORMALISED:
-        return NORMALISED[raw]
-    if raw.endswith("_total") and raw[: -len("_total")] in NORMALISED:
-        return NORMALISED[raw[: -len("_total")]]
-    if raw + "_total" in NORMALISED:
-        return NORMALISED[raw + "_total"]
-    return None
+    """Normalised name for a raw sample name, or None if unknown."""
+    e = entry(raw)
+    return e.name if e is not None else None
+
+
+def known_raw_names() -> list[str]:
+    return sorted(_load()[0])
+
+
+def detect_engine(raw_names: Iterable[str]) -> str | None:
+    """The engine/exporter whose name prefix most of a page's names carry (None: nothing known)."""
+    _, prefixes = _load()
+    counts = dict.fromkeys(prefixes, 0)
+    for name in raw_names:
+        for engine, prefix in prefixes.items():
+            if name.startswith(prefix):
+                counts[engine] += 1
+    best = max(counts, key=lambda k: counts[k])
+    return best if counts[best] else None
+
+
+def counter_rates(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Per-second rates between successive counter samples ``(t, value)``; a drop is a reset (the counter
+    restarted from zero), so the increase over that interval is the new value itself, as Prometheus' rate()."""
+    return [(t1, counter_increase(v0, v1) / (t1 - t0)) for (t0, v0), (t1, v1) in itertools.pairwise(points)
+            if t1 > t0]
+
+
+def counter_increase(previous: float, current: float) -> float:
+    """How much a counter grew between two samples; a drop means it was reset to zero in between."""
+    return current - previous if current >= previous else current

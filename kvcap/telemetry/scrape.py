@@ -1,4 +1,9 @@
-"""Sampling a server's Prometheus ``/metrics`` endpoint during a run into telemetry rows."""
+"""Sampling Prometheus ``/metrics`` endpoints during a run into telemetry rows (normalised names, per-node labels).
+
+``--metrics-url NAME=URL`` labels a target's rows with ``node=NAME`` (default: the URL's host:port); the engine
+is detected from the names the page exposes. Counters the catalog marks as rates (node exporter's byte
+counters) become per-second rates between successive scrapes, across resets.
+"""
 
 from __future__ import annotations
 
@@ -6,57 +11,101 @@ import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcap.aio import cancel_and_wait
-from kvcap.telemetry.catalog import normalise
+from kvcap.errors import InputError
+from kvcap.telemetry.catalog import counter_increase, detect_engine, entry
 
 
-def parse_metrics(text: str, t_s: float, source: str) -> list[dict[str, Any]]:
-    """Known samples of a Prometheus text page as telemetry rows ``{t_s, source, name, labels, value}``."""
+def parse_target(text: str) -> tuple[str, str]:
+    """``NAME=URL`` or ``URL`` → (node label, URL)."""
+    name, sep, url = text.partition("=")
+    if not sep or name.startswith(("http://", "https://")):
+        name, url = "", text
+    if not url.startswith(("http://", "https://")):
+        raise InputError(f"--metrics-url expects URL or NAME=URL with http(s)://, got {text!r}")
+    return (name or urlsplit(url).netloc), url
+
+
+def parse_metrics(text: str, t_s: float, source: str, node: str | None = None) -> list[dict[str, Any]]:
+    """Known samples of a Prometheus text page as telemetry rows ``{t_s, source, name, labels, value}`` (values
+    scaled to the normalised unit; counters marked ``rate`` still raw — :class:`RateTracker` turns them)."""
     rows: list[dict[str, Any]] = []
     try:
         families = list(text_string_to_metric_families(text))
     except Exception:
         return rows
+    names = [s.name for fam in families for s in fam.samples]
+    engine = detect_engine(names)
     for fam in families:
         for s in fam.samples:
-            if s.name.endswith(("_created", "_bucket", "_sum", "_count")):
+            if s.name.endswith(("_created", "_bucket")):
                 continue
-            name = normalise(s.name)
-            if name is None:
+            e = entry(s.name)
+            if e is None:
                 continue
             labels = {k: v for k, v in s.labels.items()}
             labels["raw"] = s.name
-            rows.append({"t_s": round(t_s, 4), "source": source, "name": name, "labels": labels,
-                         "value": float(s.value)})
+            if node is not None:
+                labels.setdefault("node", node)
+            if engine:
+                labels["engine"] = engine
+            rows.append({"t_s": round(t_s, 4), "source": source, "name": e.name, "labels": labels,
+                         "value": float(s.value) * e.scale})
     return rows
 
 
+class RateTracker:
+    """Replaces counter rows (catalog ``rate: true``) by their per-second rate since the previous sample of the
+    same series; a counter that went down was reset, so its increase is its new value."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[Any, ...], tuple[float, float]] = {}
+
+    def apply(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for row in rows:
+            e = entry(row["labels"].get("raw", ""))
+            if e is None or not e.rate:
+                out.append(row)
+                continue
+            key = (row["source"], tuple(sorted(row["labels"].items())))
+            t, v = row["t_s"], row["value"]
+            prev = self._last.get(key)
+            self._last[key] = (t, v)
+            if prev is None or t <= prev[0]:
+                continue
+            out.append({**row, "value": round(counter_increase(prev[1], v) / (t - prev[0]), 3)})
+        return out
+
+
 class MetricsSampler:
-    """Polls one or more /metrics URLs every ``interval_s`` and hands rows to ``sink``."""
+    """Polls one or more /metrics targets every ``interval_s`` and hands rows to ``sink``."""
 
     def __init__(self, urls: list[str], sink: Callable[[list[dict[str, Any]]], None],
                  clock: Callable[[], float], interval_s: float = 1.0):
-        self.urls = urls
+        self.targets = [parse_target(u) for u in urls]
+        self.urls = [u for _, u in self.targets]
         self.sink = sink
         self.clock = clock
         self.interval_s = interval_s
         self.samples = 0
         self.failures = 0
+        self.rates = RateTracker()
         self._task: asyncio.Task | None = None
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(session))
 
-    async def _one(self, session: aiohttp.ClientSession, url: str) -> None:
+    async def _one(self, session: aiohttp.ClientSession, node: str, url: str, t: float) -> None:
         try:
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(self.interval_s, 2.0))) as resp:
                 text = await resp.text()
-            t = self.clock()
-            rows = parse_metrics(text, t, source=f"metrics:{url}")
+            rows = self.rates.apply(parse_metrics(text, t, source=f"metrics:{url}", node=node))
             self.sink(rows)
             self.samples += 1
         except Exception:
@@ -64,12 +113,14 @@ class MetricsSampler:
 
     async def _run(self, session: aiohttp.ClientSession) -> None:
         next_t = time.perf_counter()
-        while True:
-            await asyncio.gather(*(self._one(session, u) for u in self.urls))
+        while True:  # one time per round, so every target's sample of a round sums at the same t
+            t = self.clock()
+            await asyncio.gather(*(self._one(session, n, u, t) for n, u in self.targets))
             next_t += self.interval_s
             await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
 
     async def stop(self, session: aiohttp.ClientSession | None = None) -> None:
         await cancel_and_wait(self._task)
         if session is not None:  # one last sample so counters cover the whole run
-            await asyncio.gather(*(self._one(session, u) for u in self.urls))
+            t = self.clock()
+            await asyncio.gather(*(self._one(session, n, u, t) for n, u in self.targets))

@@ -1,0 +1,124 @@
+"""Telemetry rows → series and per-node figures aligned with the level windows (pure functions).
+
+Rows may come from several sources for the same metric (direct ``/metrics`` scraping *and* Prometheus, say):
+per metric, the kind of source with the most rows is used, so nothing is counted twice. Across labels
+(replicas, GPUs, devices) counts and byte rates are summed per sample time, ratios averaged, ``link.util``
+maximised (the busiest link). Per node, network figures leave out the loopback device unless it is all there is.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+MEAN = {"gpu.util", "gpu.sm_active", "gpu.dram_active", "gpu.engine_active", "server.kv_usage",
+        "server.kv_usage_host", "server.kv_tier_usage", "server.prefix_cache_hit_rate", "server.offload_hit_rate"}
+MAX = {"link.util"}
+LOOPBACK = ("lo", "lo0")
+
+
+def how(name: str) -> str:
+    return "mean" if name in MEAN else "max" if name in MAX else "sum"
+
+
+def dedupe_sources(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Keep, per metric name, only the rows of the source kind (``metrics``, ``prometheus``, ``sim``) with most rows."""
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in rows:
+        counts[r.get("name", "")][str(r.get("source", "")).split(":", 1)[0]] += 1
+    keep = {name: max(kinds, key=lambda k: kinds[k]) for name, kinds in counts.items()}
+    return [r for r in rows if str(r.get("source", "")).split(":", 1)[0] == keep.get(r.get("name", ""))]
+
+
+def _skip_loopback(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Network rows without the loopback device, unless loopback is the only device."""
+    devices = {r["labels"].get("device") for r in rows}
+    if devices - set(LOOPBACK):
+        return [r for r in rows if r["labels"].get("device") not in LOOPBACK]
+    return rows
+
+
+def series(rows: list[dict[str, Any]], name: str, agg: str | None = None,
+           node: str | None = None) -> list[tuple[float, float]]:
+    """One value per sample time for ``name`` (optionally one node's), aggregated over the other labels."""
+    mine = [r for r in rows if r.get("name") == name and (node is None or r["labels"].get("node") == node)]
+    if name.startswith("net."):
+        mine = _skip_loopback(mine)
+    acc: dict[float, list[float]] = defaultdict(list)
+    for r in mine:
+        acc[float(r["t_s"])].append(float(r["value"]))
+    agg = agg or how(name)
+    fn = {"sum": sum, "max": max}.get(agg, lambda v: sum(v) / len(v))
+    return sorted((t, float(fn(v))) for t, v in acc.items())
+
+
+def add(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    acc: dict[float, float] = defaultdict(float)
+    for t, v in a + b:
+        acc[t] += v
+    return sorted(acc.items())
+
+
+def within(s: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
+    return [(t, v) for t, v in s if t0 <= t <= t1]
+
+
+NODE_FIGURES: tuple[tuple[str, str, str], ...] = (
+    ("gpu_util_mean", "gpu.util", "mean"),
+    ("gpu_util_max", "gpu.util", "max"),
+    ("gpu_mem_used_max_bytes", "gpu.mem_used_bytes", "max"),
+    ("kv_usage_mean", "server.kv_usage", "mean"),
+    ("kv_usage_max", "server.kv_usage", "max"),
+    ("running_mean", "server.requests_running", "mean"),
+    ("running_max", "server.requests_running", "max"),
+    ("waiting_mean", "server.requests_waiting", "mean"),
+    ("net_rx_bytes_s_mean", "net.rx_bytes_s", "mean"),
+    ("net_tx_bytes_s_mean", "net.tx_bytes_s", "mean"),
+    ("net_rx_bytes_s_max", "net.rx_bytes_s", "max"),
+    ("net_tx_bytes_s_max", "net.tx_bytes_s", "max"),
+    ("link_util_max", "link.util", "max"),
+    ("host_mem_available_min_bytes", "host.mem_available_bytes", "min"),
+)
+
+
+def nodes(rows: list[dict[str, Any]]) -> list[str]:
+    return sorted({str(r["labels"]["node"]) for r in rows if r.get("labels", {}).get("node") is not None})
+
+
+def node_figures(rows: list[dict[str, Any]], t0: float, t1: float) -> dict[str, dict[str, float]]:
+    """Per node, over one window: GPU utilisation and memory, KV usage, running/waiting, network bytes/s (and
+    Gbps), busiest link — the article's "60% of cluster memory used does not mean 40% more concurrency"."""
+    out: dict[str, dict[str, float]] = {}
+    by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        node = r.get("labels", {}).get("node")
+        if node is not None and t0 <= float(r["t_s"]) <= t1:
+            by_node[str(node)].append(r)
+    for node, mine in sorted(by_node.items()):
+        figs: dict[str, float] = {}
+        for key, name, stat in NODE_FIGURES:
+            vals = [v for _, v in series(mine, name)]
+            if not vals:
+                continue
+            fn = {"mean": np.mean, "max": np.max, "min": np.min}[stat]
+            figs[key] = round(float(fn(vals)), 4)
+        for d in ("rx", "tx"):
+            if f"net_{d}_bytes_s_mean" in figs:
+                figs[f"net_{d}_gbps_mean"] = round(figs[f"net_{d}_bytes_s_mean"] * 8 / 1e9, 4)
+        if figs:
+            out[node] = figs
+    return out
+
+
+def imbalance(per_node: dict[str, dict[str, float]], key: str = "gpu_util_mean",
+              hot: float = 0.8, ratio: float = 2.0) -> dict[str, Any] | None:
+    """One node busy (≥ ``hot``) while another does less than 1/``ratio`` of it: the hot node bounds the cluster."""
+    vals = {n: f[key] for n, f in per_node.items() if key in f}
+    if len(vals) < 2:
+        return None
+    top, low = max(vals, key=vals.__getitem__), min(vals, key=vals.__getitem__)
+    if vals[top] >= hot and vals[low] * ratio <= vals[top]:
+        return {"metric": key, "hot": top, "hot_value": vals[top], "cold": low, "cold_value": vals[low]}
+    return None
