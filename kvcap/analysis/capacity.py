@@ -104,12 +104,10 @@ def capacities(levels: list[dict[str, Any]], slo: dict[str, float],
     above = [lv for lv in sorted(ok_levels, key=lambda x: x["level"]) if effective is None or lv["level"] > effective]
     limited_by = above[0]["failed_checks"][0] if above and above[0]["failed_checks"] else None
     resident, source, lower_bound = None, None, False
-    if running:
-        wmap = dict(waiting)
-        calm = [v for t, v in running if wmap.get(t, 0.0) < 0.5]
-        resident = int(max(calm)) if calm else int(max(v for _, v in running))
+    if running:  # the most requests the server held at once; a lower bound unless something ever had to wait
+        resident = int(max(v for _, v in running))
         source = "telemetry"
-        lower_bound = not any(v >= 0.5 for v in wmap.values())
+        lower_bound = not any(v >= 0.5 for _, v in waiting)
     elif ok_levels:
         resident, lower_bound = client_resident_estimate(ok_levels)
         source = "client_estimate"

@@ -25,7 +25,7 @@ def diagnose(summary: dict[str, Any], arm: str = "run") -> list[dict[str, Any]]:
     levels = sorted([lv for lv in summary.get("levels", []) if lv["ok"] > 0], key=lambda x: x["level"])
     out: list[dict[str, Any]] = []
     if len(levels) < 2:
-        return out
+        return _imbalance(levels, arm) + _link(levels, arm)
     warn = sorted({w for lv in levels for w in lv.get("client_warnings", [])})
     lagging = [lv for lv in levels if (lv.get("littles_law") or {}).get("ratio_to_concurrency", 1.0) < 0.85]
     if warn or lagging:

@@ -74,6 +74,7 @@ ul.findings li { margin: 4px 0; }
 table.raw, table.perlevel { font-size: 12.5px; } table.raw td, table.raw th, table.perlevel td, table.perlevel th {
   padding: 3px 6px; }
 table.raw td:last-child { min-width: 120px; }
+table.nodes tr.hot td { background: #fff1e6; font-weight: 600; }
 code { font-size: 12.5px; background: var(--soft); padding: 0 3px; border-radius: 3px; }
 """
 
@@ -566,6 +567,88 @@ def _time_series(arms: Sequence[Arm]) -> str:
     return "\n".join(parts)
 
 
+NODE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("GPU util mean", "gpu_util_mean", "pct"), ("GPU mem max", "gpu_mem_used_max_bytes", "gib"),
+    ("KV usage mean", "kv_usage_mean", "pct"), ("running mean / max", "running", "pair"),
+    ("waiting mean", "waiting_mean", "num"), ("net rx Gbps", "net_rx_gbps_mean", "num"),
+    ("net tx Gbps", "net_tx_gbps_mean", "num"), ("busiest link", "link_util_max", "pct"))
+
+
+def _node_cell(figs: dict[str, Any], key: str, kind: str) -> str:
+    if kind == "pair":
+        a, b = figs.get("running_mean"), figs.get("running_max")
+        return "–" if a is None else f"{a:.1f} / {b:.0f}"
+    v = figs.get(key)
+    if v is None:
+        return "–"
+    if kind == "pct":
+        return f"{v:.0%}"
+    if kind == "gib":
+        return f"{v / 2**30:.2f} GiB"
+    return fmt(v, 3)
+
+
+def _per_node(arms: Sequence[Arm]) -> str:
+    """Per level and node: GPU, KV, queue and network figures side by side — one hot node can bound the cluster
+    while the cluster average looks comfortable."""
+    parts = []
+    for a in arms:
+        levels = [lv for lv in a.summary.get("levels") or [] if lv.get("nodes")]
+        if not levels:
+            continue
+        head = "".join(f"<th>{esc(h)}</th>" for h, _, _ in NODE_COLUMNS)
+        rows = []
+        for lv in levels:
+            hot = (lv.get("imbalance") or {}).get("hot")
+            for node, figs in lv["nodes"].items():
+                cls = ' class="hot"' if node == hot else ""
+                cells = "".join(f'<td class="num">{esc(_node_cell(figs, k, kind))}</td>' for _, k, kind in NODE_COLUMNS)
+                rows.append(f"<tr{cls}><td>{esc(_level_name(lv['mode'], lv['level']))}</td><td>{esc(node)}</td>"
+                            f"{cells}</tr>")
+        parts.append(f'<h3>{esc(a.label)}</h3><div class="scroll"><table class="raw nodes"><thead><tr><th>level</th>'
+                     f"<th>node</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
+        charts = _node_charts(a)
+        if charts:
+            parts.append(f'<div class="plots">{charts}</div>')
+    if not parts:
+        return '<p class="muted">No per-node telemetry (give --metrics-url NODE=URL or --prometheus).</p>'
+    return "\n".join(parts)
+
+
+NODE_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
+
+
+def _node_charts(a: Arm) -> str:
+    """GPU utilisation and network Gbps over time, one line per node, level windows shaded."""
+    if a.run is None:
+        return ""
+    try:
+        rows = a.run.telemetry()
+        windows = level_windows(a.run.levels())
+    except (OSError, ValueError):
+        return ""
+    from kvcap.analysis.telemetry import dedupe_sources, nodes, series
+
+    rows = dedupe_sources(rows)
+    names = nodes(rows)
+    bands = [Band(w["measure_start_s"], w["measure_end_s"], _level_name(w["mode"], w["level"]))
+             for w in windows if "measure_start_s" in w and "measure_end_s" in w]
+    out = []
+    for metric, title, y, scale in (("gpu.util", "GPU utilisation per node", "utilisation (%)", 100.0),
+                                    ("net.rx_bytes_s", "network receive per node", "Gbps", 8 / 1e9),
+                                    ("net.tx_bytes_s", "network transmit per node", "Gbps", 8 / 1e9)):
+        lines = []
+        for i, node in enumerate(names):
+            pts = series(rows, metric, node=node)
+            if pts:
+                lines.append(Series(node, NODE_PALETTE[i % len(NODE_PALETTE)], [(t, v * scale) for t, v in pts],
+                                    markers=False))
+        if lines:
+            out.append(svg_chart(f"{a.label}: {title}", lines, x_label="time since start (s)", y_label=y,
+                                 bands=bands, css_class="plot timeseries"))
+    return "".join(out)
+
+
 def _slo_cell(lv: dict[str, Any], has_slo: bool) -> str:
     if lv.get("slo_ok") is None:
         return "–"
@@ -828,6 +911,7 @@ def render_html(result: dict[str, Any], runs: dict[str, RunDir] | None = None, t
         "(C = control, T = treatment). Red dashed lines are SLO limits.</p>",
         _level_plots(arms, result.get("slo") or {}),
         '<h2 id="timeseries">Server over time</h2>', _time_series(arms),
+        '<h2 id="nodes">Per node</h2>', _per_node(arms),
         '<h2 id="fixed">Fixed variables</h2>', _fixed_table(result, manifests),
         '<h2 id="diagnosis">Diagnosis and warnings</h2>',
         (f'<ul class="findings diagnosis">{"".join(findings)}</ul>' if findings
@@ -876,6 +960,7 @@ def render_html_single(summary: dict[str, Any], run: RunDir | None = None, title
         "Red dashed lines are SLO limits.</p>",
         _level_plots([arm], summary.get("slo") or {}),
         '<h2 id="timeseries">Server over time</h2>', _time_series([arm]),
+        '<h2 id="nodes">Per node</h2>', _per_node([arm]),
         '<h2 id="fixed">Fixed variables</h2>', _single_fixed_table(manifest),
         '<h2 id="diagnosis">Diagnosis and warnings</h2>',
         (f'<ul class="findings diagnosis">{"".join(findings)}</ul>' if findings

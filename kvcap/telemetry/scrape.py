@@ -103,7 +103,9 @@ class MetricsSampler:
 
     async def _one(self, session: aiohttp.ClientSession, node: str, url: str, t: float) -> None:
         try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(self.interval_s, 2.0))) as resp:
+            # identity: the run's session does not decompress (exporters such as node_exporter gzip by default)
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(self.interval_s, 2.0)),
+                                   headers={"Accept-Encoding": "identity"}) as resp:
                 text = await resp.text()
             rows = self.rates.apply(parse_metrics(text, t, source=f"metrics:{url}", node=node))
             self.sink(rows)
