@@ -216,6 +216,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--slo", metavar="SPEC", help="e.g. ttft_p95=500ms,tpot_p95=80ms,error_rate=1%%")
     g.add_argument("--metrics-url", action="append", metavar="[NODE=]URL",
                    help="a /metrics to sample each second (repeatable; NODE labels its rows, e.g. node1=http://…)")
+    g.add_argument("--local-telemetry", action="store_true",
+                   help="also sample this host each second: /proc/net/dev per device, and GPUs through NVML when "
+                        "nvidia-ml-py is installed (for a client running on the server host)")
     g.add_argument("--prometheus", metavar="URL",
                    help="Prometheus to query after the run for every known series in its window (DCGM, node "
                         "exporter, engines): query_range, step 1 s")
@@ -313,7 +316,7 @@ def _bench_config(a: argparse.Namespace) -> Any:
                        output_dist=parse_length(a.output_tokens, "--output-tokens"), tokenizer=a.tokenizer,
                        dataset=a.dataset, prefix_tokens=a.prefix_tokens, prefix_groups=a.prefix_groups,
                        unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
-                       prometheus=_prometheus_url(a.prometheus),
+                       prometheus=_prometheus_url(a.prometheus), local_telemetry=a.local_telemetry,
                        slo=parse_slo(a.slo), workers=a.workers, overwrite=a.overwrite, arm=a.arm, fixed=fixed,
                        record_text=a.record_text, under_test=sorted(vary))
 

@@ -238,3 +238,31 @@ def test_prometheus_scrapes_a_real_llamacpp_server(tmp_path):
     generated = sorted((r["t_s"], r["value"]) for r in rows if r["name"] == "server.generation_tokens_total")
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert generated[-1][1] - generated[0][1] == sum(r["output_tokens"] for r in records if r["ok"])
+
+
+def test_local_telemetry_reads_this_hosts_network(tmp_path):
+    from kvcap.telemetry.local import read_net_dev
+
+    sample = ("Inter-|   Receive |  Transmit\n face |bytes packets errs drop fifo frame compressed multicast|bytes\n"
+              "    lo: 1000 10 0 0 0 0 0 0 2000 20 0 0 0 0 0 0\n  eth0: 5 1 0 0 0 0 0 0 7 1 0 0 0 0 0 0\n")
+    assert read_net_dev(sample) == {"lo": (1000, 2000), "eth0": (5, 7)}
+    with start_fake_server(ttft="5ms", itl="5ms") as srv, stack.LoopbackTraffic(30e6) as traffic:
+        out = tmp_path / "run"
+        p = run_cli("bench", "--url", srv.url, "--concurrency", "2", "--input-tokens", "16", "--output-tokens", "8",
+                    "--warmup", "1s", "--duration", "6s", "--local-telemetry", "--out", str(out), "--quiet",
+                    timeout=120)
+        assert p.returncode == 0, p.stderr
+    rows = [json.loads(line) for line in (out / "telemetry.jsonl").read_text().splitlines()]
+    lo = [r["value"] for r in rows if r["name"] == "net.rx_bytes_s" and r["labels"]["device"] == "lo"]
+    assert len(lo) >= 5 and all(r["labels"]["engine"] == "procfs" for r in rows if r["name"].startswith("net."))
+    assert float(np.median(lo)) == pytest.approx(traffic.achieved, rel=0.05)
+
+
+def test_nic_utilisation_from_node_exporter_speed():
+    from kvcap.analysis.telemetry import nic_utilisation
+
+    rows = [{"name": "net.speed_bytes_s", "labels": {"device": "eth0"}, "value": 12.5e9},
+            {"name": "net.rx_bytes_s", "labels": {"device": "eth0"}, "value": 10e9},
+            {"name": "net.tx_bytes_s", "labels": {"device": "eth0"}, "value": 2e9},
+            {"name": "net.rx_bytes_s", "labels": {"device": "lo"}, "value": 99e9}]
+    assert nic_utilisation(rows) == 0.8  # the NIC with a known speed, not loopback

@@ -67,6 +67,11 @@ def diagnose(summary: dict[str, Any], arm: str = "run") -> list[dict[str, Any]]:
                 ev += f" with {running[-1]:.0f} requests running"
             if tt0 and tt1:
                 ev += f"; TTFT p50 {tt0:.0f} → {tt1:.0f} ms"
+            util = last.get("gpu_util_mean")
+            if util is not None:
+                ev += f"; GPU utilisation {util:.0%}"
+                if (last.get("kv_usage_max") or 0) < KV_FULL and last.get("kv_usage_max") is not None:
+                    ev += f" with the KV cache {last['kv_usage_max']:.0%} full"
             out.append({"arm": arm, "bound": "compute", "evidence": ev,
                         "direction": "the GPU is the limit, not memory: more memory won't raise stable "
                                      "concurrency; add compute (GPUs/replicas), quantize, or cap the batch"})

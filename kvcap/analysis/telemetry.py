@@ -107,9 +107,27 @@ def node_figures(rows: list[dict[str, Any]], t0: float, t1: float) -> dict[str, 
         for d in ("rx", "tx"):
             if f"net_{d}_bytes_s_mean" in figs:
                 figs[f"net_{d}_gbps_mean"] = round(figs[f"net_{d}_bytes_s_mean"] * 8 / 1e9, 4)
+        nic = nic_utilisation(mine)
+        if nic is not None and "link_util_max" not in figs:
+            figs["link_util_max"] = nic
         if figs:
             out[node] = figs
     return out
+
+
+def nic_utilisation(rows: list[dict[str, Any]]) -> float | None:
+    """Busiest NIC direction as a fraction of its line rate (node exporter's ``net.speed_bytes_s``), per sample."""
+    speed = {r["labels"].get("device"): float(r["value"]) for r in rows
+             if r.get("name") == "net.speed_bytes_s" and float(r["value"]) > 0}
+    if not speed:
+        return None
+    best = None
+    for r in rows:
+        dev = r["labels"].get("device")
+        if r.get("name") in ("net.rx_bytes_s", "net.tx_bytes_s") and dev in speed:
+            u = float(r["value"]) / speed[dev]
+            best = u if best is None or u > best else best
+    return None if best is None else round(best, 4)
 
 
 def imbalance(per_node: dict[str, dict[str, float]], key: str = "gpu_util_mean",

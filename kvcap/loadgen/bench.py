@@ -46,6 +46,8 @@ class BenchConfig:
     metrics_urls: list[str] = field(default_factory=list)
     prometheus: str | None = None
     """Prometheus base URL: after the run, every known series in the run window is fetched (query_range)."""
+    local_telemetry: bool = False
+    """Sample this host too (/proc/net/dev, NVML if present): for a client on the server host."""
     prometheus_wait_s: float = 2.0
     """How long to let Prometheus scrape the end of the run before querying it."""
     slo: dict[str, float] = field(default_factory=dict)
@@ -157,9 +159,16 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     session = make_session()
     sampler = MetricsSampler(cfg.metrics_urls + (extra_sampler_urls or []), writer.telemetry,
                              clock=lambda: time.perf_counter() - origin)
+    local = None
+    if cfg.local_telemetry:
+        from kvcap.telemetry.local import LocalSampler
+
+        local = LocalSampler(writer.telemetry, clock=lambda: time.perf_counter() - origin)
     try:
         if sampler.urls:
             sampler.start(session)
+        if local is not None:
+            local.start()
         if cfg.workers <= 1:
             runner = Runner(target=cfg.target, plan=cfg.plan, factory=factory, sink=writer, counter=counter,
                             progress=progress or NoProgress(), origin=origin, stop=stop,
@@ -172,6 +181,8 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     finally:
         if sampler.urls:
             await sampler.stop(session)
+        if local is not None:
+            await local.stop()
         await session.close()
         prom = await _fetch_prometheus(cfg, writer, epoch_at_origin, started) if cfg.prometheus else {}
         writer.close()
