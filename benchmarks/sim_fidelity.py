@@ -52,6 +52,7 @@ def simulate(scenario: dict[str, Any], mode: str, level: float, requests: int | 
 def main() -> None:
     data = yaml.safe_load((ROOT / "benchmarks" / "data" / "vllm_measured.yaml").read_text())
     errors: dict[str, list[float]] = {"ttft_ms": [], "tpot_ms": [], "e2e_ms": [], "output_tok_s": []}
+    per_set: dict[str, dict[str, list[float]]] = {}
     print(f"{'set':26} {'level':>6} | {'TTFT ms meas/sim':>18} | {'TPOT ms meas/sim':>18} | {'E2E s meas/sim':>15} "
           f"| {'out tok/s meas/sim':>19}")
     for s in data["sets"]:
@@ -62,9 +63,13 @@ def main() -> None:
             meas["e2e_ms"] = p["ttft_ms"] + p["tpot_ms"] * (out_mean - 1)
             for k in errors:
                 errors[k].append(sim[k] / meas[k] - 1)
+                per_set.setdefault(s["name"], {}).setdefault(k, []).append(sim[k] / meas[k] - 1)
             print(f"{s['name']:26} {p['level']:>6g} | {meas['ttft_ms']:>8.0f} / {sim['ttft_ms']:<7.0f} | "
                   f"{meas['tpot_ms']:>8.2f} / {sim['tpot_ms']:<7.2f} | {meas['e2e_ms'] / 1e3:>6.2f} / "
                   f"{sim['e2e_ms'] / 1e3:<6.2f} | {meas['output_tok_s']:>8.0f} / {sim['output_tok_s']:<8.0f}")
+    print()
+    for name, errs in per_set.items():
+        print(f"{name:26} " + "   ".join(f"{k} {np.mean(np.abs(v)):5.1%}" for k, v in errs.items()))
     print()
     for k, v in errors.items():
         a = np.abs(np.asarray(v))

@@ -1,4 +1,5 @@
-"""Token-length distributions: ``1024``, ``uniform:a,b``, ``normal:mean,sd``, ``lognormal:mean,sd`` (clamped)."""
+"""Token-length distributions: ``1024``, ``uniform:a,b``, ``normal:mean,sd[,max]``, ``lognormal:mean,sd[,max]``
+(clamped to [1, max])."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ class LengthDist:
 
     @property
     def spec(self) -> str:
-        return str(int(self.a)) if self.kind == "fixed" else f"{self.kind}:{self.a:g},{self.b:g}"
+        if self.kind == "fixed":
+            return str(int(self.a))
+        cap = f",{self.hi}" if self.kind != "uniform" and self.hi < 1_000_000 else ""
+        return f"{self.kind}:{self.a:g},{self.b:g}{cap}"
 
     @property
     def mean(self) -> float:
@@ -52,9 +56,14 @@ def parse_length(text: str | int, what: str = "length", hi: int = 1_000_000) -> 
         args = [float(x) for x in rest.split(",")]
     except ValueError:
         raise InputError(f"cannot read {what} {s!r}: use N, uniform:a,b, normal:mean,sd or lognormal:mean,sd") from None
-    if kind not in ("uniform", "normal", "lognormal") or len(args) != 2:
-        raise InputError(f"cannot read {what} {s!r}: use N, uniform:a,b, normal:mean,sd or lognormal:mean,sd")
-    a, b = args
+    if kind not in ("uniform", "normal", "lognormal") or len(args) not in (2, 3) or (kind == "uniform" and len(args) == 3):
+        raise InputError(f"cannot read {what} {s!r}: use N, uniform:a,b, normal:mean,sd[,max] or "
+                         "lognormal:mean,sd[,max]")
+    a, b = args[:2]
+    if len(args) == 3:
+        if args[2] < 1:
+            raise InputError(f"{what} {s!r}: the cap must be at least 1")
+        hi = min(hi, int(args[2]))
     if kind == "uniform" and not 1 <= a <= b:
         raise InputError(f"{what} {s!r}: uniform needs 1 ≤ a ≤ b")
     if kind != "uniform" and (a <= 0 or b < 0):
