@@ -75,6 +75,8 @@ class Experiment(BaseModel):
     slo: dict[str, str] = Field(default_factory=dict)
     metrics: bool = True
     """Sample each arm's ``/metrics`` (server telemetry makes ``resident`` exact)."""
+    prometheus: str | None = None
+    """Prometheus base URL: each arm's repeats also get what it scraped (DCGM, node exporter, engines)."""
 
     @field_validator("arms")
     @classmethod
@@ -163,7 +165,7 @@ def _bench_config(exp: Experiment, arm: ArmSpec, out: Path, repeat: int, origin:
                        output_dist=parse_length(exp.workload.output_tokens), prefix_tokens=exp.workload.prefix_tokens,
                        prefix_groups=exp.workload.prefix_groups, metrics_urls=metrics, slo=parse_slo(exp.slo),
                        arm=arm.name, fixed=fixed, under_test=sorted({*exp.arms[0].vary, *exp.arms[1].vary}),
-                       append=repeat > 0, overwrite=repeat == 0, origin=origin)
+                       append=repeat > 0, overwrite=repeat == 0, origin=origin, prometheus=exp.prometheus)
 
 
 async def run_experiment(exp: Experiment, out: Path, progress: Progress | None = None,
