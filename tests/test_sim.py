@@ -151,6 +151,22 @@ def test_a_faster_link_cuts_the_spilled_requests_transfer_time(tmp_path):
     assert results["25Gbps"][2] >= 0.85  # a saturated 25 Gbps NIC shows in link.util
 
 
+def test_a_faster_link_cuts_spill_over_tpot_when_preempted_kv_is_swapped(tmp_path):
+    # vLLM's admission with a remote tier: preempted sequences are copied out (the step waits for the copy) and
+    # back in before they decode, so the copy is on the TPOT path of the spilled requests and of the batch
+    tpot = {}
+    for bw in ("25Gbps", "100Gbps"):
+        summary, records = simulate(tmp_path, bw, serving__kv_offload="remote", serving__offload_admission="hbm",
+                                    load__concurrency=[64], load__duration="40s", load__warmup="10s",
+                                    cluster__interconnect__bandwidth=bw)
+        spilled = [r for r in measured(records) if r["copy_ms"] > 0]
+        assert len(spilled) >= 10 and summary["levels"][0]["preemptions"] > 0
+        tpot[bw] = (float(np.mean([r["tpot_ms"] for r in spilled])),
+                    float(np.mean([r["tpot_ms"] for r in measured(records)])))
+    assert tpot["100Gbps"][0] < 0.9 * tpot["25Gbps"][0]
+    assert tpot["100Gbps"][1] < tpot["25Gbps"][1]
+
+
 def test_offload_changes_nothing_while_vram_suffices(tmp_path):
     _, control = simulate(tmp_path, "c", load__concurrency=[16])
     _, remote = simulate(tmp_path, "r", load__concurrency=[16], serving__kv_offload="remote")
