@@ -152,7 +152,8 @@ def _per_level(sc: dict[str, Any], st: dict[str, Any], gc: dict, gt: dict,
                     "ttft_p95_ms": [lc["ttft_ms"]["p95"], lt["ttft_ms"]["p95"]],
                     "tpot_p95_ms": [lc["tpot_ms"]["p95"], lt["tpot_ms"]["p95"]],
                     "slo_ok": [lc["slo_ok"], lt["slo_ok"]],
-                    "server_running_max": [lc.get("server_running_max"), lt.get("server_running_max")]})
+                    "server_running_max": [lc.get("server_running_max"), lt.get("server_running_max")],
+                    "server_parked_max": [lc.get("server_parked_max"), lt.get("server_parked_max")]})
     return out
 
 

@@ -158,8 +158,9 @@ def render_compare(result: dict, console: Console | None = None) -> None:
     if result.get("efficiency") is not None:
         con.print(f"efficiency (Δ goodput % / Δ effective %): {result['efficiency']:.2f}")
     lv = Table(title="Per level (control → treatment)", title_justify="left")
+    parked = any(any(v for v in row.get("server_parked_max") or []) for row in result["per_level"])
     for col in ("level", "out tok/s", "goodput tok/s", "Δ goodput CI95", "TTFT p95 ms", "TPOT p95 ms", "SLO",
-                "server running max"):
+                "server running max") + (("parked max",) if parked else ()):
         lv.add_column(col, justify="right" if col != "level" else "left")
 
     def pair(x: list, fmt: str = "{:.0f}") -> str:
@@ -169,7 +170,8 @@ def render_compare(result: dict, console: Console | None = None) -> None:
         lv.add_row(str(row["level"]), pair(row["output_tok_s"], "{:.1f}"), pair(row["goodput_tok_s"], "{:.1f}"),
                    f"[{row['goodput_delta_ci95'][0]:+.1f}, {row['goodput_delta_ci95'][1]:+.1f}]",
                    pair(row["ttft_p95_ms"]), pair(row["tpot_p95_ms"], "{:.1f}"),
-                   " → ".join("pass" if x else "fail" for x in row["slo_ok"]), pair(row["server_running_max"]))
+                   " → ".join("pass" if x else "fail" for x in row["slo_ok"]), pair(row["server_running_max"]),
+                   *((pair([v or 0 for v in row.get("server_parked_max") or [None, None]]),) if parked else ()))
     con.print(lv)
     for d in result.get("diagnosis", []):
         con.print(f"[bold]{d['arm']}[/bold]: bounded by [bold]{d['bound']}[/bold] — {d['evidence']}. → {d['direction']}")
