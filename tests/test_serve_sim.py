@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from tests.prometheus_stack import terminate
 
 SCENARIO = ROOT / "scenarios" / "seed-reference.yaml"
 
@@ -40,11 +41,7 @@ def serve_sim(tmp_path):
     try:
         yield url, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc)
         err.close()
 
 
