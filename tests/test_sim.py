@@ -342,3 +342,59 @@ def test_sim_sigint_keeps_records_and_writes_the_summary(tmp_path):
     assert summary["interrupted"] is True
     lines = (out / "requests.jsonl").read_text().splitlines()
     assert summary["levels"][0]["requests"] + 1 >= sum(1 for x in lines if json.loads(x)["phase"] == "measure") > 0
+
+
+FUZZ = [
+    {"model.preset": "gemma-2-9b", "model.weights_dtype": "bf16", "cluster.gpu.preset": "a100-80gb"},  # sliding
+    {"model.preset": "deepseek-v2-lite", "model.weights_dtype": "bf16", "cluster.gpu.preset": "h100-sxm"},  # MLA+MoE
+    {"model.preset": "jamba-mini", "model.weights_dtype": "int4", "cluster.gpu.preset": "h200"},  # hybrid SSM
+    {"model.preset": "llama-3.1-70b", "model.weights_dtype": "fp8", "cluster.gpu.preset": "h100-sxm",
+     "cluster.gpus_per_node": 4, "cluster.nodes": 2, "serving.tensor_parallel": 4},  # TP across a node
+    {"serving.chunked_prefill": False, "serving.max_num_seqs": 6, "serving.kv_offload": "host+remote"},
+    {"serving.max_num_batched_tokens": 512, "serving.kv_offload": "host", "serving.routing": "round_robin",
+     "workload.input_tokens": "lognormal:1500,1200,3000", "workload.output_tokens": "uniform:1,300"},
+    {"serving.kv_offload": "remote", "serving.offload_admission": "hbm", "cluster.remote_memory": "8GiB",
+     "cluster.remote_memory_bandwidth": "50Gbps"},  # a small, slow pool that fills up
+]
+
+
+@pytest.mark.parametrize("overrides", FUZZ, ids=[str(i) for i in range(len(FUZZ))])
+def test_engine_invariants_across_models_and_settings(overrides):
+    def check(sim):
+        for rep in sim.replicas:
+            assert 0 <= rep.used <= rep.cfg.blocks
+            assert rep.moving >= 0 and rep.stalled >= 0 and rep.committed >= 0
+        for group in sim.tiers.values():
+            for tier in group:
+                assert -1 <= tier.parked_bytes and tier.used <= tier.capacity + 1
+
+    ov = {k: v for k, v in overrides.items() if not k.startswith("workload.")}
+    wl = {k: v for k, v in overrides.items() if k.startswith("workload.")}
+    sc = scenario(**{k.replace(".", "__"): v for k, v in {**ov, **wl}.items()})
+    cm = cluster_model(sc)
+    from kvcap.sim.run import _Lengths
+
+    lengths = _Lengths(sc.workload.input_tokens, sc.workload.output_tokens, (0, 1, 0))
+    counts = {"submitted": 0, "finished": 0, "errors": 0}
+
+    def on_finish(req: SimRequest, now: float) -> None:
+        counts["finished"] += 1
+        counts["errors"] += req.error is not None
+        if now < 20.0:
+            submit(now)
+
+    sim = cm.build(on_finish=on_finish)
+
+    def submit(t: float) -> None:
+        counts["submitted"] += 1
+        i, o = lengths.next()
+        sim.submit(SimRequest(rid=counts["submitted"], arrival=t, prompt=i, max_out=o, tags={}), t)
+
+    for _ in range(64):
+        submit(0.0)
+    sim.run_until(math.inf, on_time=lambda t: check(sim), stop=lambda: sim.events > 2_000_000)
+    assert sim.events <= 2_000_000, "runaway event loop"
+    assert counts["submitted"] == counts["finished"] > 64
+    assert counts["errors"] == 0
+    assert all(not r.running and not r.waiting and not r.parked and r.moving == 0 for r in sim.replicas)
+    assert all(r.used == r.cached_blocks for r in sim.replicas)  # only cached prefix blocks may stay allocated
