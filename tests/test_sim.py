@@ -366,7 +366,7 @@ def test_engine_invariants_across_models_and_settings(overrides):
             assert rep.moving >= 0 and rep.stalled >= 0 and rep.committed >= 0
         for group in sim.tiers.values():
             for tier in group:
-                assert -1 <= tier.parked_bytes and tier.used <= tier.capacity + 1
+                assert tier.parked_bytes >= -1 and tier.used <= tier.capacity + 1
 
     ov = {k: v for k, v in overrides.items() if not k.startswith("workload.")}
     wl = {k: v for k, v in overrides.items() if k.startswith("workload.")}

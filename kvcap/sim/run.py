@@ -66,7 +66,9 @@ def load_plan_from(scenario: Scenario, seed: int = 0) -> LoadPlan:
     if any(x <= 0 for x in levels):
         raise InputError("load levels must be positive")
     parse_arrival(ld.arrival)
-    duration = None if ld.requests and "duration" not in ld.model_fields_set else ld.duration
+    duration = None if ld.requests and ("duration" not in ld.model_fields_set or ld.duration is None) else ld.duration
+    if duration is None and not ld.requests:
+        raise InputError("load.duration is null: give load.requests (a request count per level) instead")
     return LoadPlan(mode=mode, levels=levels, warmup_s=ld.warmup, duration_s=duration, requests=ld.requests,
                     repeats=ld.repeats, arrival=ld.arrival, seed=seed)
 

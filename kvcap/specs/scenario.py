@@ -19,6 +19,7 @@ from kvcap.units import parse_bandwidth, parse_duration, parse_fraction, parse_s
 Size = Annotated[int, BeforeValidator(lambda v: parse_size(v))]
 Bandwidth = Annotated[float, BeforeValidator(lambda v: parse_bandwidth(v))]
 Duration = Annotated[float, BeforeValidator(lambda v: parse_duration(v))]
+OptionalDuration = Annotated[float | None, BeforeValidator(lambda v: None if v is None else parse_duration(v))]
 Fraction = Annotated[float, BeforeValidator(lambda v: parse_fraction(v))]
 
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
@@ -152,7 +153,8 @@ def _mean(v: int | str) -> int:
 class LoadSpec(_Strict):
     concurrency: list[int] | None = None
     rate: list[float] | None = None
-    duration: Duration = 60.0
+    duration: OptionalDuration = 60.0
+    """Measured time per level; null with ``requests`` (a request count instead)."""
     requests: int | None = Field(default=None, ge=1)
     warmup: Duration = 10.0
     repeats: int = Field(default=1, ge=1)
