@@ -398,3 +398,16 @@ def test_engine_invariants_across_models_and_settings(overrides):
     assert counts["errors"] == 0
     assert all(not r.running and not r.waiting and not r.parked and r.moving == 0 for r in sim.replicas)
     assert all(r.used == r.cached_blocks for r in sim.replicas)  # only cached prefix blocks may stay allocated
+
+
+def test_report_of_a_sim_run_has_per_node_and_link_sections(tmp_path):
+    out = tmp_path / "run"
+    p = run_cli("sim", str(SCENARIO), "--out", str(out), "--concurrency", "64", "--duration", "20s", "--warmup", "5s",
+                "--repeats", "1", "--set", "serving.kv_offload=remote", "--quiet")
+    assert p.returncode == 0, p.stderr
+    p = run_cli("report", str(out), "--out", str(tmp_path / "r.html"))
+    assert p.returncode == 0, p.stderr
+    html = (tmp_path / "r.html").read_text()
+    assert "Per node" in html and ">n3<" in html  # four replicas on four nodes
+    assert "parked in a lower tier" in html and "busiest link utilisation" in html
+    assert "GPU utilisation per node" in html
