@@ -411,3 +411,61 @@ def test_report_of_a_sim_run_has_per_node_and_link_sections(tmp_path):
     assert "Per node" in html and ">n3<" in html  # four replicas on four nodes
     assert "parked in a lower tier" in html and "busiest link utilisation" in html
     assert "GPU utilisation per node" in html
+
+
+# ------------------------------------------------------------------------------------------ regressions (review)
+
+
+@pytest.mark.parametrize("offload, admission", [("none", "tiers"), ("remote", "hbm"), ("remote", "tiers")])
+def test_a_sequence_larger_than_the_kv_pool_is_refused_not_stuck(offload, admission):
+    cm = cluster_model(scenario(cluster__nodes=1, cluster__gpu__memory="16GiB", serving__kv_offload=offload,
+                                serving__offload_admission=admission))
+    done: list[SimRequest] = []
+    sim = cm.build(on_finish=lambda r, t: done.append(r))
+    pool = sim.replicas[0].cfg.blocks * sim.replicas[0].cfg.block_size
+    big = SimRequest(rid=1, arrival=0.0, prompt=pool - 100, max_out=200, tags={})  # prompt fits, sequence not
+    small = SimRequest(rid=2, arrival=0.0, prompt=100, max_out=20, tags={})
+    for r in (big, small):
+        sim.submit(r, 0.0)
+    sim.run_until(math.inf)
+    assert {r.rid: r.error for r in done} == {1: "http_4xx", 2: None}
+
+
+def test_parking_never_runs_more_than_max_num_seqs():
+    worst = [0]
+
+    def check(sim):
+        for rep in sim.replicas:
+            worst[0] = max(worst[0], len(rep.running))
+            assert len(rep.running) + rep.incoming <= rep.cfg.max_num_seqs
+
+    submitted, finished, _ = drive_closed({"serving.kv_offload": "remote", "serving.max_num_seqs": 2,
+                                           "cluster.nodes": 1}, users=8, horizon_s=30.0, check=check)
+    assert submitted == finished and worst[0] == 2
+
+
+def test_requests_mid_copy_at_the_drain_limit_are_recorded_and_nothing_new_is_sent(tmp_path):
+    from dataclasses import replace
+
+    sc = scenario(cluster__nodes=1, cluster__gpu__memory="16GiB", serving__kv_offload="remote",
+                  cluster__remote_memory_bandwidth="10Mbps", load__concurrency=[8], load__warmup="0s",
+                  load__duration="5s", workload__output_tokens=64)
+    out = tmp_path / "drain"
+    run_sim(SimConfig(scenario=sc, plan=replace(load_plan_from(sc), drain_timeout_s=5.0), out=out))
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    info = json.loads((out / "levels.jsonl").read_text().splitlines()[0])
+    assert len(records) == info["sent_measured"] >= 8  # every request sent has a record
+    assert info["sim"]["simulated_s"] == pytest.approx(10.0)  # the drain limit, not the last event
+    assert info["sim"]["cancelled"] == sum(1 for r in records if r["error"] == "cancelled") > 0
+
+
+def test_a_cached_prefix_lets_a_request_in_while_the_owner_still_decodes():
+    cm = cluster_model(scenario(cluster__nodes=1, cluster__gpu__memory="16GiB"))
+    sim = cm.build()
+    owner = SimRequest(rid=1, arrival=0.0, prompt=1100, max_out=250, hashes=(10, 11, 12), tags={})
+    reuse = SimRequest(rid=2, arrival=1.0, prompt=1100, max_out=10, hashes=(10, 11, 12), tags={})
+    for r in (owner, reuse):
+        sim.submit(r, r.arrival)
+    sim.run_until(math.inf)
+    assert reuse.hit_hbm == 1024
+    assert reuse.t_sched - reuse.arrival < 0.1 < owner.t_last - reuse.arrival  # admitted at the next step

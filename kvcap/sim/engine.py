@@ -196,6 +196,8 @@ class Replica:
         self.waiting: deque[SimRequest] = deque()
         self.parked: list[tuple[float, int, SimRequest]] = []
         self.moving = 0
+        self.incoming = 0
+        """Requests whose KV is being copied into HBM (swap-in, prefix load): they hold a running slot."""
         """Requests in a copy (swap out/in, prefix load): held, not decoding."""
         self.stalled = 0
         self.span: Span | None = None
@@ -286,10 +288,11 @@ class Replica:
     # ------------------------------------------------------------------ arrivals and interrupts
     def enqueue(self, req: SimRequest, now: float) -> None:
         req.replica, req.state = self.index, "waiting"
-        need = self.blocks_for(req.prompt)
         too_long = self.cfg.max_model_len is not None and req.prompt + req.max_out > self.cfg.max_model_len
-        if need > self.cfg.blocks or too_long:
-            req.error = "http_4xx"  # over the context, or larger than the whole KV pool: vLLM refuses it
+        if self.blocks_for(req.prompt + req.max_out) > self.cfg.blocks or too_long:
+            # over the context, or a whole sequence larger than the KV pool (vLLM refuses to start with a
+            # max_model_len that does not fit): it could only ever preempt itself, so it is refused
+            req.error = "http_4xx"
             self.sim.finish(req, now)
             return
         self.waiting.append(req)
@@ -313,10 +316,20 @@ class Replica:
     def _could_admit(self) -> bool:
         if self.parked and self.parked[0][2].state == "parked":
             return True
-        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+        if not self.waiting or len(self.running) + self.incoming >= self.cfg.max_num_seqs:
             return False
-        head = self.waiting[0]
-        return self.free_blocks() >= self.blocks_for(head.target) - head.blocks
+        return self.free_blocks() >= self._head_need(self.waiting[0])
+
+    def _head_need(self, head: SimRequest) -> int:
+        """Free blocks the head of the waiting queue needs to be admitted (its cached prefix is already there;
+        a parking engine keeps the decoders' growth out of reach)."""
+        need = self.blocks_for(head.target) - head.blocks
+        if (head.kv == 0 and not head.shared and head.hashes and self.cfg.prefix_caching
+                and self.cfg.hash_block_tokens):
+            need -= self.hbm_hit_blocks(head) * self.hash_blocks
+        if self.parking:
+            need += self._growth_reserve()
+        return need
 
     def _cut(self, k: int) -> None:
         """Keep the first k steps of the current decode span."""
@@ -388,7 +401,7 @@ class Replica:
         # 2. parked requests come back first (oldest arrival first); nothing new is admitted while one waits
         while self.parked and self.parked[0][2].state == "parked":
             req = self.parked[0][2]
-            if len(self.running) + self.moving >= cfg.max_num_seqs:
+            if len(self.running) + self.incoming >= cfg.max_num_seqs:
                 break
             if self.parking and not self._can_commit(req):
                 break
@@ -402,7 +415,7 @@ class Replica:
             self._swap_in(req, now)
         # 3. waiting requests, in order (parking engines admit past parked ones while the tier has room)
         while (self.waiting and (self.parking or not self.parked) and budget > 0
-               and len(self.running) + (0 if self.parking else self.moving) < cfg.max_num_seqs):
+               and len(self.running) + self.incoming < cfg.max_num_seqs):
             req = self.waiting[0]
             if req.kv == 0 and not req.shared and req.hashes and cfg.prefix_caching and cfg.hash_block_tokens:
                 hit = self._attach_prefix(req)
@@ -448,10 +461,10 @@ class Replica:
             ends = np.asarray([now + cost.iteration_time(shape).total_s])
         else:
             k = min(r.max_out - r.out for r in decoders)
-            if self.waiting and not self.parked and len(self.running) < self.cfg.max_num_seqs:
-                head = self.waiting[0]
-                if self.free_blocks() >= self._private_need(head, head.target):
-                    k = 1  # something could be admitted next step (blocks free up only at a finish)
+            if (self.waiting and (self.parking or not self.parked)
+                    and len(self.running) + self.incoming < self.cfg.max_num_seqs
+                    and self.free_blocks() >= self._head_need(self.waiting[0])):
+                k = 1  # something could be admitted next step (blocks free up only at a finish)
             if self.sim.max_span is not None:
                 k = min(k, self.sim.max_span)
             k = self._block_limit(decoders, k, reserved)
@@ -530,10 +543,12 @@ class Replica:
         _, lanes, caps = self.sim.tier_for(self, 0.0, name=req.tier, reserve=False)
         req.state = "swap_in"
         self.moving += 1
+        self.incoming += 1
 
         def done(t: float, r: SimRequest = req, tr: Tier | None = tier, t0: float = now) -> None:
             r.copy_s += t - t0
             self.moving -= 1
+            self.incoming -= 1
             if tr is not None:
                 tr.release(r.tier_bytes)
             r.parked_s += t - r.t_parked
@@ -575,10 +590,12 @@ class Replica:
         _, lanes, caps = self.sim.tier_for(self, 0.0, name=name, reserve=False)
         req.state = "loading"
         self.moving += 1
+        self.incoming += 1
 
         def done(t: float, r: SimRequest = req, n: int = tokens, t0: float = now) -> None:
             r.copy_s += t - t0
             self.moving -= 1
+            self.incoming -= 1
             r.kv += n
             r.hit_tier = n
             r.state = "running"
@@ -619,10 +636,12 @@ class Replica:
             gen += k
             if self.sim.on_tokens is not None:
                 self.sim.on_tokens(req)
+        completed: list[SimRequest] = []
         for req, chunk in span.prefills:
             req.kv += chunk
             self.prompt_tokens += chunk
             if req.kv >= req.target:
+                completed.append(req)
                 req.out += 1
                 gen += 1
                 t = float(span.ends[-1])
@@ -642,8 +661,8 @@ class Replica:
                 self._uncommit(req)
             self.sim.finish(req, now)
         if self.parking:
-            for req, _ in span.prefills:
-                if req.out == 1 and req.state == "running" and not req.committed:
+            for req in completed:  # first prefills and recomputations alike: decode in HBM only if promised room
+                if req.state == "running" and not req.committed and req.out < req.max_out:
                     if self._can_commit(req):
                         self._commit(req)
                     elif not self._park(req, now):

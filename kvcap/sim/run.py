@@ -224,8 +224,13 @@ def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, 
     state = {"measured": 0, "stop_at": None, "rid": 0, "inflight": 0, "ok": 0, "errors": 0}
     base = {"mode": mode, "level": int(level) if mode == "concurrency" else level, "repeat": repeat}
 
+    live: dict[int, SimRequest] = {}
+    """Every request submitted and not yet finished, whatever its state (queued, running, parked, mid-copy)."""
+    draining = [False]
+
     def on_finish(req: SimRequest, now: float) -> None:
         state["inflight"] -= 1
+        live.pop(req.rid, None)
         rec = record_of(req, offset, record_itl)
         state["ok" if rec["ok"] else "errors"] += 1
         writer.record(rec)
@@ -242,12 +247,16 @@ def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, 
             state["measured"] += 1
         state["rid"] += 1
         state["inflight"] += 1
-        return SimRequest(rid=state["rid"], arrival=t, prompt=prompt, max_out=out, hashes=hashes,
-                          tags={**base, "phase": phase})
+        req = SimRequest(rid=state["rid"], arrival=t, prompt=prompt, max_out=out, hashes=hashes,
+                         tags={**base, "phase": phase})
+        live[req.rid] = req
+        return req
 
     lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, round(level * 1000), repeat))
 
     def issue(t: float) -> None:
+        if draining[0]:
+            return
         if t >= measure_end or (plan.requests is not None and state["measured"] >= plan.requests):
             if state["stop_at"] is None:
                 state["stop_at"] = t
@@ -278,10 +287,10 @@ def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, 
     sim.run_until(cap, stop=lambda: sim.events > MAX_EVENTS, on_time=sampler.until)
     if sim.events > MAX_EVENTS:
         raise InputError(f"simulation of level {level:g} exceeded {MAX_EVENTS:,} events: shorten load.duration")
-    t_end = sim.now
-    # whatever is still in flight at the drain limit is reported, never dropped
-    leftovers = [r for rep in sim.replicas for r in
-                 list(rep.running) + list(rep.waiting) + [p[2] for p in rep.parked]]
+    t_end = cap if sim.heap and math.isfinite(cap) else sim.now  # stopped by the drain limit, or ran dry
+    # whatever is still in flight at the drain limit is reported (never dropped), and nothing new is sent
+    draining[0] = True
+    leftovers = sorted(live.values(), key=lambda r: r.rid)
     for req in leftovers:
         req.error = "cancelled"
         sim.finish(req, t_end)
