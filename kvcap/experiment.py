@@ -31,6 +31,13 @@ from kvcap.units import parse_duration
 from kvcap.workload.lengths import parse_length
 
 
+def two_arms(arms: list[Any]) -> list[Any]:
+    """An experiment compares exactly two arms, control first, with different names."""
+    if len(arms) != 2 or arms[0].name == arms[1].name:
+        raise ValueError("an experiment has exactly two arms with different names (control first)")
+    return arms
+
+
 class ArmSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -81,9 +88,7 @@ class Experiment(BaseModel):
     @field_validator("arms")
     @classmethod
     def _two_arms(cls, v: list[ArmSpec]) -> list[ArmSpec]:
-        if len(v) != 2 or v[0].name == v[1].name:
-            raise ValueError("an experiment has exactly two arms with different names (control first)")
-        return v
+        return two_arms(v)
 
     @field_validator("slo", mode="before")
     @classmethod
@@ -226,9 +231,7 @@ class SimExperiment(BaseModel):
     @field_validator("arms")
     @classmethod
     def _two_arms(cls, v: list[SimArm]) -> list[SimArm]:
-        if len(v) != 2 or v[0].name == v[1].name:
-            raise ValueError("an experiment has exactly two arms with different names (control first)")
-        return v
+        return two_arms(v)
 
 
 def load_any_experiment(path: str) -> Experiment | SimExperiment:

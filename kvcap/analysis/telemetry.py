@@ -8,6 +8,7 @@ maximised (the busiest link). Per node, network figures leave out the loopback d
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -48,7 +49,12 @@ def series(rows: list[dict[str, Any]], name: str, agg: str | None = None,
         mine = _skip_loopback(mine)
     acc: dict[float, list[float]] = defaultdict(list)
     for r in mine:
-        acc[float(r["t_s"])].append(float(r["value"]))
+        try:
+            t, v = float(r["t_s"]), float(r["value"])
+        except (KeyError, TypeError, ValueError):
+            continue  # a damaged row is skipped, not fatal
+        if math.isfinite(t) and math.isfinite(v):
+            acc[t].append(v)
     agg = agg or how(name)
     fn = {"sum": sum, "max": max}.get(agg, lambda v: sum(v) / len(v))
     return sorted((t, float(fn(v))) for t, v in acc.items())

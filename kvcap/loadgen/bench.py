@@ -4,7 +4,6 @@ in worker processes), sample server metrics, and summarise what finished (also a
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -106,7 +105,8 @@ async def probe_server(target: Target) -> dict[str, Any]:
     return info
 
 
-def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, started: float) -> dict[str, Any]:
+def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, started: float,
+              epoch_at_origin: float) -> dict[str, Any]:
     t = cfg.target
     fixed: dict[str, Any] = {
         "target.url": t.endpoint, "target.api": t.api, "model.name": t.model,
@@ -128,6 +128,8 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
                                        "python": platform.python_version(), "cpus": os.cpu_count()},
         "server": server, "slo": cfg.slo, "fixed": fixed, "under_test": cfg.under_test,
         "header_names": sorted(t.headers),  # names only: values (API keys) are never written
+        # the run's time axis in wall-clock terms (t_s = epoch − epoch_at_origin), to align Prometheus samples
+        "clock": {"epoch_at_origin": epoch_at_origin},
     }
 
 
@@ -148,11 +150,10 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     if cfg.target.model is None and server.get("models"):
         cfg.target = replace(cfg.target, model=server["models"][0])
     started = time.time()
-    if not (cfg.append and (cfg.out / "manifest.json").exists()):
-        writer.manifest(_manifest(cfg, server, factory, started))
     origin = cfg.origin if cfg.origin is not None else time.perf_counter()
     epoch_at_origin = time.time() - (time.perf_counter() - origin)
-    _record_clock(cfg.out, epoch_at_origin)
+    if not (cfg.append and (cfg.out / "manifest.json").exists()):
+        writer.manifest(_manifest(cfg, server, factory, started, epoch_at_origin))
     stop = stop or asyncio.Event()
     client_stats: list[dict[str, Any]] = []
     interrupted = False
@@ -194,16 +195,6 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     summary["telemetry_samples"] = sampler.samples
     write_json_atomic(cfg.out / SUMMARY, summary)
     return summary
-
-
-def _record_clock(out: Path, epoch_at_origin: float) -> None:
-    """The run's time axis in wall-clock terms (t_s = epoch − epoch_at_origin), for aligning Prometheus samples."""
-    path = out / "manifest.json"
-    if not path.exists():
-        return
-    m = json.loads(path.read_text())
-    m.setdefault("clock", {"epoch_at_origin": epoch_at_origin})
-    write_json_atomic(path, m)
 
 
 async def _fetch_prometheus(cfg: BenchConfig, writer: RunWriter, epoch_at_origin: float,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcap.analysis.slo import format_slo
+from kvcap.analysis.telemetry import dedupe_sources, nodes, series
 from kvcap.rundir import RunDir
 
 ARMS = ("control", "treatment")
@@ -391,15 +392,10 @@ def _summaries(result: dict[str, Any], runs: dict[str, RunDir]) -> dict[str, dic
     return out
 
 
-def telemetry_series(rows: Iterable[dict[str, Any]], name: str, how: str = "sum") -> list[tuple[float, float]]:
-    """One value per sample time: summed over labels (replicas, nodes) for counts, averaged for fractions, or the
-    largest (``how="max"``: the busiest link)."""
-    acc: dict[float, list[float]] = defaultdict(list)
-    for row in rows:
-        if row.get("name") == name and _finite(row.get("t_s")) and _finite(row.get("value")):
-            acc[float(row["t_s"])].append(float(row["value"]))
-    agg = {"sum": sum, "max": max}.get(how, lambda v: sum(v) / len(v))
-    pts = [(t, agg(v)) for t, v in sorted(acc.items())]
+def telemetry_series(rows: list[dict[str, Any]], name: str, node: str | None = None) -> list[tuple[float, float]]:
+    """The analysis' series of ``name`` (summed, averaged or maximised over labels as the analysis does),
+    thinned to at most ``MAX_POINTS`` for plotting."""
+    pts = series(rows, name, node=node)
     if len(pts) > MAX_POINTS:
         step = math.ceil(len(pts) / MAX_POINTS)
         pts = pts[::step]
@@ -517,15 +513,15 @@ def _time_series(arms: Sequence[Arm]) -> str:
         if a.run is None:
             continue
         try:
-            rows = a.run.telemetry()
+            rows = dedupe_sources(a.run.telemetry())
             windows = level_windows(a.run.levels())
         except (OSError, ValueError):
             continue
         running = telemetry_series(rows, "server.requests_running")
         waiting = telemetry_series(rows, "server.requests_waiting")
         parked = telemetry_series(rows, "server.requests_parked")
-        links = telemetry_series(rows, "link.util", how="max")
-        kv = {n: telemetry_series(rows, n, how="mean") for n in ("server.kv_usage", "server.kv_usage_host")}
+        links = telemetry_series(rows, "link.util")
+        kv = {n: telemetry_series(rows, n) for n in ("server.kv_usage", "server.kv_usage_host")}
         kv = {n: s for n, s in kv.items() if s}
         if not (running or waiting or kv):
             continue
@@ -627,8 +623,6 @@ def _node_charts(a: Arm) -> str:
         windows = level_windows(a.run.levels())
     except (OSError, ValueError):
         return ""
-    from kvcap.analysis.telemetry import dedupe_sources, nodes, series
-
     rows = dedupe_sources(rows)
     names = nodes(rows)
     bands = [Band(w["measure_start_s"], w["measure_end_s"], _level_name(w["mode"], w["level"]))
@@ -639,7 +633,7 @@ def _node_charts(a: Arm) -> str:
                                     ("net.tx_bytes_s", "network transmit per node", "Gbps", 8 / 1e9)):
         lines = []
         for i, node in enumerate(names):
-            pts = series(rows, metric, node=node)
+            pts = telemetry_series(rows, metric, node=node)
             if pts:
                 lines.append(Series(node, NODE_PALETTE[i % len(NODE_PALETTE)], [(t, v * scale) for t, v in pts],
                                     markers=False))

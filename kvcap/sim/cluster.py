@@ -52,8 +52,7 @@ class ClusterModel:
         configs = []
         for r in range(p.replicas):
             first, last = r * per_replica, (r + 1) * per_replica - 1
-            nodes = sorted({g // cl.gpus_per_node for g in (first, last)} |
-                           {g // cl.gpus_per_node for g in range(first, last + 1)})
+            nodes = sorted({g // cl.gpus_per_node for g in range(first, last + 1)})
             host = inputs.host_link
             host_link = links.add(Link(f"pcie{r}", "host", host.bytes_s * per_replica,
                                        host.effective_bytes_s * per_replica, host.latency_s, node=nodes[0]))

@@ -239,10 +239,6 @@ class Replica:
     def load(self) -> int:
         return len(self.running) + len(self.waiting) + len(self.parked) + self.moving
 
-    def resident(self) -> int:
-        """Requests whose KV the replica holds somewhere (HBM or a tier)."""
-        return len(self.running) + len(self.parked) + self.moving
-
     def hbm_hit_blocks(self, req: SimRequest) -> int:
         n = 0
         for h in req.hashes[: req.prompt // self.cfg.hash_block_tokens] if self.cfg.hash_block_tokens else ():
@@ -531,7 +527,6 @@ class Replica:
             self.sim.links.start(now, nbytes, lanes, caps, outbound=True, on_done=done)
             self.sim.watch_links()
             return
-        self.sim.recompute(victim)
         victim.recomputed += victim.kv
         self._release(victim)
         victim.kv = 0
@@ -742,7 +737,6 @@ class Simulation:
         self.link_version = 0
         self.on_finish = on_finish
         self.finished = 0
-        self.recomputes = 0
         self.events = 0
         self.max_span: int | None = None
         """Longest decode span in steps (1 when serving in real time, so every token is an event)."""
@@ -792,9 +786,6 @@ class Simulation:
                 obj(t)
             if stop is not None and stop():
                 return
-
-    def idle(self) -> bool:
-        return not self.heap
 
     # ------------------------------------------------------------------ routing
     def route(self, req: SimRequest) -> Replica:
@@ -852,9 +843,6 @@ class Simulation:
             _, lanes, caps = self.tier_for(rep, 0.0, name=name, reserve=False)
             self.links.start(now, new * bytes_each, lanes, caps, outbound=True, on_done=lambda t: None)
             self.watch_links()
-
-    def recompute(self, req: SimRequest) -> None:
-        self.recomputes += 1
 
     def finish(self, req: SimRequest, now: float) -> None:
         req.state = "done"
