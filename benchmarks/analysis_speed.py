@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 
 from kvcap.analysis.summary import build_summary
-from kvcap.rundir import RunDir, RunWriter
+from kvcap.rundir import Manifest, RunDir, RunWriter
 
 
 def write_run(out: Path, n: int, itl: int) -> None:
     rng = np.random.default_rng(0)
     w = RunWriter(out)
-    w.manifest({"source": "sim", "fixed": {}, "slo": {"ttft_p95": 500.0, "tpot_p95": 80.0}})
+    w.manifest(Manifest(source="sim", run_id="analysis-speed", started_at=0.0, fixed={},
+                        slo={"ttft_p95": 500.0, "tpot_p95": 80.0}))
     levels = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96]
     per = n // len(levels)
     t = 0.0

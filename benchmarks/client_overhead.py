@@ -38,7 +38,6 @@ if it overruns; every server binds 127.0.0.1 and is stopped at the end.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import datetime as _dt
 import itertools
@@ -46,9 +45,7 @@ import json
 import math
 import os
 import resource
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -60,6 +57,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from kvcap import procs  # noqa: E402
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GUIDELLM_VERSION = "0.8.1"
 SAMPLE_EVERY_S = 0.25
@@ -198,61 +199,23 @@ class Sampler(threading.Thread):
 
 # ------------------------------------------------------------------------------------------------- fake server
 
-_live: list[subprocess.Popen[Any]] = []
-
-
-def _kill(proc: subprocess.Popen[Any], timeout: float = 5.0) -> None:
-    """SIGTERM the process group we started (start_new_session), then SIGKILL if it lingers."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout)
-    with contextlib.suppress(ValueError):
-        _live.remove(proc)
-
-
-@atexit.register
-def _kill_all() -> None:
-    for p in list(_live):
-        with contextlib.suppress(Exception):
-            _kill(p, 2.0)
-
-
 class Server:
+    """The fake server on 127.0.0.1 in its own process group (kvcap.procs), its stderr in ``log``."""
+
     def __init__(self, ttft: str, itl: str, log: Path) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.process = procs.start(
             [sys.executable, "-m", "kvcap.testing.server", "--host", "127.0.0.1", "--port", "0",
              "--ttft", ttft, "--itl", itl],
-            stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True, cwd=ROOT, env=env,
-            start_new_session=True)
-        _live.append(self.proc)
-        assert self.proc.stdout is not None
-        line, deadline = "", time.monotonic() + 20.0
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if select.select([self.proc.stdout], [], [], 0.1)[0]:
-                line = self.proc.stdout.readline()
-                break
-        if not line.startswith("listening on http://127.0.0.1:"):
-            self.stop()
-            raise RuntimeError(f"fake server did not start: {line!r} {log.read_text()[-2000:]}")
-        self.url = line.strip().removeprefix("listening on ")
+            name="fake server", log=log, pipe_stdout=True, cwd=ROOT, env=env, grace_s=5.0)
+        self.url = self.process.wait_for_line(r"^listening on (http://127\.0\.0\.1:\d+)\s*$", 20.0).group(1)
 
     def stats(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + "/stats", timeout=5.0) as r:
             return json.loads(r.read())
 
     def stop(self) -> None:
-        _kill(self.proc)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
+        self.process.stop()
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -313,21 +276,13 @@ def run_client(cmd: list[str], env: dict[str, str], cwd: Path, server: Server, l
     st0 = server.stats()
     s0 = st0["completion_tokens_total"]
     t0 = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
-                                env=env, start_new_session=True)
-        _live.append(proc)
-        sampler = Sampler(proc.pid, server.proc.pid)
+    with procs.start(cmd, log=log, cwd=cwd, env=env, grace_s=5.0) as proc:  # its whole group is stopped at the end
+        sampler = Sampler(proc.pid, server.process.pid)
         sampler.start()
         try:
             rc = proc.wait(limit_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-            _kill(proc)
         finally:
             sampler.stop()
-            with contextlib.suppress(ValueError):
-                _live.remove(proc)
     res.wall_run_s = time.monotonic() - t0
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     res.cpu_run_s = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
@@ -493,15 +448,8 @@ def profile_kvcap(args: argparse.Namespace, streams: int, run_dir: Path) -> str:
                "--warmup", f"{args.warmup}s", "--duration", f"{args.duration}s", "--out", str(run_dir / "run"),
                "--overwrite", "--quiet"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-        with open(run_dir / "client.log", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                    env=env, start_new_session=True)
-            _live.append(proc)
-            try:
-                proc.wait(180 + 3 * (args.warmup + args.duration))
-            except subprocess.TimeoutExpired:
-                pass
-            _kill(proc)
+        with procs.start(cmd, log=run_dir / "client.log", cwd=ROOT, env=env, grace_s=5.0) as proc:
+            proc.wait(180 + 3 * (args.warmup + args.duration))
     finally:
         server.stop()
     if not raw.exists():
@@ -532,13 +480,13 @@ def one_run(args: argparse.Namespace, tool: str, c: int, run_dir: Path) -> Resul
         wait_quiet(args.wait_quiet, args.quiet_cores)
     server = Server(f"{args.ttft_ms:g}ms", f"{args.itl_ms:g}ms", run_dir / "server.log")
     try:
-        cpu0 = proc_cpu_s(server.proc.pid)
+        cpu0 = proc_cpu_s(server.process.pid)
         fn = bench_kvcap if tool == "kvcap" else bench_guidellm
         try:
             res = fn(args, c, run_dir, server)
         except Exception as exc:  # a tool's output we could not read: report it, go on
             res = Result(tool, c, problem=f"{type(exc).__name__}: {exc}")
-        res.server_cpu_run_s = proc_cpu_s(server.proc.pid) - cpu0
+        res.server_cpu_run_s = proc_cpu_s(server.process.pid) - cpu0
     finally:
         server.stop()
     L = args.output_tokens
@@ -696,8 +644,6 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(best)
     except KeyboardInterrupt:
         notes.append("interrupted")
-    finally:
-        _kill_all()
 
     kv_bad = [r for r in results if r.tool == "kvcap" and r.ok and
               ((r.client_cores or 0) > 0.5 or (r.extra.get("client_warnings") or []) or r.requests_failed)]

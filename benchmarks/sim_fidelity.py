@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from kvcap.rundir import RunDir  # noqa: E402
 from kvcap.sim.run import SimConfig, run_sim  # noqa: E402
+from kvcap.specs.lengths import parse_length  # noqa: E402
 from kvcap.specs.scenario import build_scenario  # noqa: E402
-from kvcap.workload.lengths import parse_length  # noqa: E402
 from kvcap.workload.loadplan import LoadPlan  # noqa: E402
 
 

@@ -1,3 +1,5 @@
+"""`python -m kvcap`: the same command line as the `kvcap` script."""
+
 import sys
 
 from kvcap.cli import main

@@ -9,26 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shlex
-import signal
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvcap import procs
 from kvcap.analysis.slo import parse_slo
 from kvcap.errors import InputError
 from kvcap.loadgen.bench import BenchConfig, run_bench
 from kvcap.loadgen.client import Target
-from kvcap.loadgen.runner import LoadPlan, Progress
+from kvcap.loadgen.runner import Progress
 from kvcap.rundir import MANIFEST, write_json_atomic
-from kvcap.specs.scenario import read_yaml, validation_message
+from kvcap.specs.fields import validation_message
+from kvcap.specs.load import LoadSpec, WorkloadSpec
+from kvcap.specs.scenario import read_yaml
 from kvcap.units import parse_duration
-from kvcap.workload.lengths import parse_length
+from kvcap.workload.loadplan import LoadPlan
 
 
 def two_arms(arms: list[Any]) -> list[Any]:
@@ -49,26 +48,6 @@ class ArmSpec(BaseModel):
     vary: dict[str, Any] = Field(default_factory=dict)
 
 
-class ExperimentLoad(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    concurrency: list[int] | None = None
-    rate: list[float] | None = None
-    arrival: str = "poisson"
-    warmup: str | float = "10s"
-    duration: str | float | None = "60s"
-    requests: int | None = None
-    repeats: int = Field(default=3, ge=1)
-    seed: int = 0
-
-
-class ExperimentWorkload(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    input_tokens: str | int = 1024
-    output_tokens: str | int = 256
-    prefix_tokens: int = 0
-    prefix_groups: int = 0
-
-
 class Experiment(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = "ab"
@@ -77,8 +56,8 @@ class Experiment(BaseModel):
     timeout: str | float = "120s"
     fixed: dict[str, Any] = Field(default_factory=dict)
     arms: list[ArmSpec]
-    load: ExperimentLoad
-    workload: ExperimentWorkload = ExperimentWorkload()
+    load: LoadSpec
+    workload: WorkloadSpec = WorkloadSpec()
     slo: dict[str, str] = Field(default_factory=dict)
     metrics: bool = True
     """Sample each arm's ``/metrics`` (server telemetry makes ``resident`` exact)."""
@@ -108,68 +87,46 @@ def load_experiment(path: str) -> Experiment:
 
 
 class ManagedServer:
-    """A server command run in its own process group, up once its health URL answers 200."""
+    """An arm's server command run in its own process group, up once its health URL answers 200."""
 
     def __init__(self, arm: ArmSpec, log: Path):
         self.arm = arm
         self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process: procs.Process | None = None
 
     def __enter__(self) -> ManagedServer:
         assert self.arm.command
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(shlex.split(self.arm.command), stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        out.close()
+        self.process = procs.start(shlex.split(self.arm.command), name=f"arm {self.arm.name}", log=self.log,
+                                   append=True, grace_s=20.0)
         url = self.arm.url.rstrip("/").removesuffix("/v1") + self.arm.health
-        deadline = time.monotonic() + self.arm.start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise InputError(f"arm {self.arm.name}: server command exited with {self.proc.returncode} "
-                                 f"(log: {self.log})")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.__exit__()
-        raise InputError(f"arm {self.arm.name}: {url} not healthy after {self.arm.start_timeout:g} s (log: {self.log})")
+        try:
+            self.process.wait_for_http(url, self.arm.start_timeout, interval_s=0.2)
+        except procs.StartError as exc:
+            if exc.returncode is not None:
+                raise InputError(f"arm {self.arm.name}: server command exited with {exc.returncode} "
+                                 f"(log: {self.log})") from None
+            raise InputError(f"arm {self.arm.name}: {url} not healthy after {self.arm.start_timeout:g} s "
+                             f"(log: {self.log})") from None
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=5)
+        if self.process is not None:
+            self.process.stop()
 
 
 def _bench_config(exp: Experiment, arm: ArmSpec, out: Path, repeat: int, origin: float) -> BenchConfig:
-    lw = exp.load
-    if lw.concurrency:
-        mode, levels = "concurrency", tuple(float(c) for c in lw.concurrency)
-    else:
-        mode, levels = "rate", tuple(float(r) for r in lw.rate or ())
+    """One repeat of one arm as a bench run (``ab`` runs repeats one at a time, alternating arms)."""
     timeout = parse_duration(exp.timeout, "timeout")
-    plan = LoadPlan(mode=mode, levels=levels, warmup_s=parse_duration(lw.warmup, "load.warmup"),
-                    duration_s=parse_duration(lw.duration, "load.duration") if lw.duration is not None and not
-                    lw.requests else None, requests=lw.requests, repeats=1, first_repeat=repeat,
-                    arrival=lw.arrival, seed=lw.seed, drain_timeout_s=timeout)
+    plan = LoadPlan.from_spec(exp.load, repeats=1, first_repeat=repeat, drain_timeout_s=timeout)
     target = Target(url=arm.url, api=exp.api, model=exp.model, timeout_s=timeout)
     metrics = [arm.url.rstrip("/").removesuffix("/v1") + "/metrics"] if exp.metrics else []
     fixed = {**exp.fixed, **arm.vary}
-    return BenchConfig(target=target, plan=plan, out=out, input_dist=parse_length(exp.workload.input_tokens),
-                       output_dist=parse_length(exp.workload.output_tokens), prefix_tokens=exp.workload.prefix_tokens,
-                       prefix_groups=exp.workload.prefix_groups, metrics_urls=metrics, slo=parse_slo(exp.slo),
-                       arm=arm.name, fixed=fixed, under_test=sorted({*exp.arms[0].vary, *exp.arms[1].vary}),
+    wl = exp.workload
+    return BenchConfig(target=target, plan=plan, out=out, input_dist=wl.input_dist, output_dist=wl.output_dist,
+                       prefix_tokens=wl.prefix_tokens, prefix_groups=wl.prefix_groups, metrics_urls=metrics,
+                       slo=parse_slo(exp.slo), arm=arm.name, fixed=fixed,
+                       under_test=sorted({*exp.arms[0].vary, *exp.arms[1].vary}),
                        append=repeat > 0, overwrite=repeat == 0, origin=origin, prometheus=exp.prometheus)
 
 
@@ -254,7 +211,7 @@ def run_sim_experiment(exp: SimExperiment, out: Path, overrides: dict[str, Any] 
     """Both arms through the simulator (each from an empty cluster, so interleaving has nothing to cancel),
     then the comparison (``compare.json``)."""
     from kvcap.analysis.verdict import compare
-    from kvcap.sim.run import SimConfig, load_plan_from, run_sim
+    from kvcap.sim.run import SimConfig, run_sim
     from kvcap.specs.scenario import load_scenario
 
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +221,7 @@ def run_sim_experiment(exp: SimExperiment, out: Path, overrides: dict[str, Any] 
     slo = parse_slo(scenarios[exp.arms[0].name].slo)
     for arm in exp.arms:
         sc = scenarios[arm.name]
-        cfg = SimConfig(scenario=sc, plan=load_plan_from(sc), out=out / arm.name, slo=slo, arm=arm.name,
+        cfg = SimConfig(scenario=sc, plan=LoadPlan.from_spec(sc.load), out=out / arm.name, slo=slo, arm=arm.name,
                         under_test=under_test, overwrite=True)
         run_sim(cfg, progress=(lambda info, name=arm.name: progress(name, info)) if progress else None)
     result = compare(str(out / exp.arms[0].name), str(out / exp.arms[1].name), slo=slo)

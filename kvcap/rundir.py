@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal, TypedDict
 
+from kvcap import __version__
 from kvcap.errors import InputError
 
 MANIFEST = "manifest.json"
@@ -21,6 +25,115 @@ LEVELS = "levels.jsonl"
 TELEMETRY = "telemetry.jsonl"
 SUMMARY = "summary.json"
 
+
+# ---------------------------------------------------------------- the two schemas: one record, one manifest
+
+class RecordTags(TypedDict):
+    """Where a request belongs in the run: load model, level, repeat, warm-up or measured, which worker."""
+
+    mode: str
+    level: float
+    repeat: int
+    phase: str
+    worker: int
+
+
+class _RecordCore(RecordTags):
+    """Fields every record carries, whoever wrote it (DESIGN.md's names)."""
+
+    index: int
+    start_s: float
+    end_s: float | None
+    send_delay_ms: float
+    ok: bool
+    error: str | None
+    status: int | None
+    input_tokens: int
+    output_tokens: int
+    requested_output_tokens: int
+    tokens_source: str
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+    itl_ms: list[float]
+    queue_ms: float | None
+    finish_reason: str | None
+    truncated: bool
+    early_stop: bool
+    retries: int
+    group: int | None
+
+
+class RequestRecord(_RecordCore, total=False):
+    """One line of ``requests.jsonl``: ``bench`` (``loadgen.client``) and ``sim`` (``sim.run``) both build exactly
+    this. A TypedDict, not a dataclass: records are the hot path (millions per run), and a dict costs nothing to
+    turn into JSON; the schema is still one definition that both builders are typed against and tested on."""
+
+    error_detail: str
+    text: str
+    replica: int
+    preemptions: int
+    recomputed_tokens: int
+    parked_ms: float
+    copy_ms: float
+    prefix_hit_tokens: int
+    tier_hit_tokens: int
+
+
+RECORD_FIELDS: frozenset[str] = frozenset(RequestRecord.__annotations__)
+REQUIRED_RECORD_FIELDS: frozenset[str] = frozenset(_RecordCore.__annotations__)
+
+
+def tpot_ms(ttft_ms: float | None, e2e_ms: float | None, output_tokens: int) -> float | None:
+    """TPOT = (E2E − TTFT) / (output tokens − 1): the one definition, for every record builder."""
+    if ttft_ms is None or e2e_ms is None or output_tokens <= 1:
+        return None
+    return (e2e_ms - ttft_ms) / (output_tokens - 1)
+
+
+def host_facts() -> dict[str, Any]:
+    """Where a run ran (in every manifest)."""
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "python": platform.python_version(), "cpus": os.cpu_count()}
+
+
+@dataclass
+class Manifest:
+    """``manifest.json``: the fixed variables (dotted keys, as scenario files spell them), what is under test,
+    where and when it ran, the server and the clock. ``bench`` and ``sim`` both write this one shape."""
+
+    source: Literal["bench", "sim"]
+    run_id: str
+    started_at: float
+    fixed: dict[str, Any]
+    server: dict[str, Any] = field(default_factory=dict)
+    arm: str | None = None
+    slo: dict[str, float] = field(default_factory=dict)
+    under_test: list[str] = field(default_factory=list)
+    scenario: str | None = None
+    """The scenario's name (sim)."""
+    header_names: list[str] | None = None
+    """Request header names (bench): names only, values (API keys) are never written."""
+    clock: dict[str, float] | None = None
+    """The run's time axis in wall-clock terms (``t_s = epoch − epoch_at_origin``), to align Prometheus samples."""
+    experiment: str | None = None
+    """The ``ab`` experiment this arm belongs to."""
+    host: dict[str, Any] = field(default_factory=host_facts)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"tool": "kvcap", "tool_version": __version__, "source": self.source, "arm": self.arm,
+                             "run_id": self.run_id}
+        if self.scenario is not None:
+            d["scenario"] = self.scenario
+        d.update({"started_at": self.started_at, "host": self.host, "server": self.server, "slo": self.slo,
+                  "fixed": self.fixed, "under_test": self.under_test})
+        for key in ("header_names", "clock", "experiment"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
+
+
+# ---------------------------------------------------------------- writing
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False, default=str)
@@ -52,7 +165,7 @@ class RunWriter:
         f.write(_dumps(obj) + "\n")
         f.flush()
 
-    def record(self, rec: dict[str, Any]) -> None:
+    def record(self, rec: RequestRecord) -> None:
         self._append(REQUESTS, rec)
         self.records += 1
 
@@ -66,8 +179,8 @@ class RunWriter:
         f.write("".join(_dumps(r) + "\n" for r in rows))
         f.flush()
 
-    def manifest(self, data: dict[str, Any]) -> None:
-        write_json_atomic(self.dir / MANIFEST, data)
+    def manifest(self, data: Manifest) -> None:
+        write_json_atomic(self.dir / MANIFEST, data.to_json())
 
     def summary(self, data: dict[str, Any]) -> None:
         write_json_atomic(self.dir / SUMMARY, data)
@@ -109,6 +222,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 continue
     return out
 
+
+# ---------------------------------------------------------------- reading
 
 class RunDir:
     """Read access to a run directory."""

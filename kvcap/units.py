@@ -131,20 +131,6 @@ def bytes_s_to_gbps(bytes_s: float) -> float:
     return bytes_s * 8.0 / 1e9
 
 
-def gbps_to_bytes_s(gbps: float) -> float:
-    return gbps * 1e9 / 8.0
-
-
 def format_bandwidth(bytes_s: float) -> str:
     """Both ways, so nobody compares GB/s with Gbps: ``'20 GB/s (160 Gbps)'`` (4 significant digits)."""
     return f"{bytes_s / 1e9:.4g} GB/s ({bytes_s_to_gbps(bytes_s):.4g} Gbps)"
-
-
-def format_duration(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} µs"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.1f} ms"
-    if seconds < 120:
-        return f"{seconds:.2f} s"
-    return f"{seconds / 60:.1f} min"

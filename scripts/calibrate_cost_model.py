@@ -35,19 +35,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcap.sim.cost import (  # noqa: E402
-    Calibration,
-    CostModel,
-    all_reduce_time,
-    default_tp_link,
-    dense_layer_ops,
-    elementwise_layer_ops,
-    gemm_peak_flops,
-)
+from kvcap.sim.calibration_io import Calibration  # noqa: E402
+from kvcap.sim.cost import CostModel  # noqa: E402
+from kvcap.sim.model_shape import dense_layer_ops, elementwise_layer_ops  # noqa: E402
+from kvcap.sim.roofline import all_reduce_time, default_tp_link, gemm_peak_flops  # noqa: E402
 from kvcap.specs.hardware import load_gpu, load_link  # noqa: E402
 from kvcap.specs.model import ModelSpec, model_from_config  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "vidur"
+DATA = ROOT / "data" / "vidur"
 OUT = ROOT / "kvcap" / "sim" / "calibration" / "a100.yaml"
 MODELS = ("Meta-Llama-3-8B", "Llama-2-7b-hf")
 GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
@@ -351,7 +346,7 @@ def markdown(fit_info: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DATA, help="the vidur/ folder (default: ../shared/data/vidur)")
+    ap.add_argument("--data", type=Path, default=DATA, help="the vidur/ folder (default: data/vidur in the repository)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--check", action="store_true", help="do not write; exit 1 if the file's fitted numbers differ")
     ap.add_argument("--markdown", action="store_true", help="print the error table as Markdown")

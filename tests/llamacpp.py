@@ -32,15 +32,12 @@ import contextlib
 import functools
 import os
 import re
-import signal
-import socket
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from kvcap import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = ROOT / "scripts" / "install-llama-server"
@@ -82,41 +79,6 @@ def _supports(binary: Path, flag: str) -> bool:
     return re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", _help_text(str(binary)), re.MULTILINE) is not None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, n: int = 60) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "<no log>"
-    return "\n".join(lines[-n:])
-
-
-def _health(base_url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
-            return r.status
-    except urllib.error.HTTPError as e:  # 503 while the model loads
-        return e.code
-    except OSError:
-        return None
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 def server_command(binary: Path, model_path: Path, port: int, *, parallel: int, ctx_size: int,
                    extra_args: Sequence[str] = ()) -> list[str]:
     cmd = [
@@ -145,8 +107,9 @@ def llama_server(
 
     Waits for ``GET /health`` to answer 200, fails with the server's log tail if
     the process dies or does not become healthy in time, and always stops the
-    server (SIGTERM, then SIGKILL after 10 s) on exit. The server's combined
-    stdout/stderr go to ``log_path`` (default: a temp file removed afterwards).
+    server on exit (kvcap.procs: SIGTERM to its process group, then SIGKILL
+    after 10 s). The server's combined stdout/stderr go to ``log_path``
+    (default: a temp file removed afterwards).
     ``LLAMA_ARG_*`` variables are scrubbed from its environment so that a
     developer's shell cannot change the server's configuration.
     """
@@ -160,29 +123,23 @@ def llama_server(
         log_path = Path(log_path)
         last_error = ""
         for _attempt in range(3):  # a free port can be taken between probe and bind
-            port = _free_port()
+            port = procs.free_port()
             base_url = f"http://127.0.0.1:{port}"
             cmd = server_command(binary, Path(model_path), port, parallel=parallel, ctx_size=ctx_size,
                                  extra_args=extra_args)
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, start_new_session=True)
-            stack.callback(_stop, proc)
-            deadline = time.monotonic() + startup_timeout_s
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
+            server = stack.enter_context(procs.start(cmd, name="llama-server", log=log_path, env=env, grace_s=10.0))
+            try:
+                server.wait_for_http(base_url + "/health", startup_timeout_s)
+            except procs.StartError as exc:
+                tail = procs.log_tail(log_path, 60, missing="<no log>")
+                if exc.returncode is None:
+                    raise RuntimeError(f"llama-server not healthy after {startup_timeout_s:.0f}s: {' '.join(cmd)}\n"
+                                       f"--- log tail ---\n{tail}") from None
+                last_error = (f"llama-server exited with {exc.returncode}: {' '.join(cmd)}\n"
+                              f"--- log tail ---\n{tail}")
+                if "bind" not in tail.lower():
                     break
-                if _health(base_url) == 200:
-                    yield base_url
-                    return
-                time.sleep(0.1)
-            tail = _tail(log_path)
-            if proc.poll() is None:
-                _stop(proc)
-                raise RuntimeError(f"llama-server not healthy after {startup_timeout_s:.0f}s: {' '.join(cmd)}\n"
-                                   f"--- log tail ---\n{tail}")
-            last_error = (f"llama-server exited with {proc.returncode}: {' '.join(cmd)}\n"
-                          f"--- log tail ---\n{tail}")
-            if "bind" not in tail.lower():
-                break
+                continue
+            yield base_url
+            return
         raise RuntimeError(last_error)

@@ -4,7 +4,7 @@ fixture exporter that serves recorded DCGM-format series with known values.
     with dcgm_fixture() as dcgm, node_exporter() as node, prometheus({"engine": [url], "dcgm": [dcgm.url], …}) as prom:
         prom.url
 
-Each process gets a free port, a temporary config and data directory, and is always stopped.
+Each process gets a free port, a temporary config and data directory, and is always stopped (kvcap.procs).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import http.server
 import json
 import shutil
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from kvcap import procs
 
 PROMETHEUS = shutil.which("prometheus")
 NODE_EXPORTER = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
@@ -37,12 +38,6 @@ FAKE_NIC_RATE = 1.25e9
 RESET_EVERY_S = 4.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def require() -> None:
     if not (PROMETHEUS and NODE_EXPORTER):
         pytest.fail(MISSING)
@@ -50,8 +45,9 @@ def require() -> None:
 
 @dataclass
 class Served:
+    """A running exporter or Prometheus: its base URL."""
+
     url: str
-    started: float
 
 
 def dcgm_page(t: float) -> str:
@@ -95,57 +91,30 @@ def dcgm_fixture() -> Iterator[Served]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield Served(f"http://127.0.0.1:{server.server_address[1]}", started)
+        yield Served(f"http://127.0.0.1:{server.server_address[1]}")
     finally:
         server.shutdown()
         server.server_close()
 
 
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} not up after {timeout:g} s: {log.read_text()[-2000:]}")
-
-
 @contextlib.contextmanager
 def _process(args: list[str], ready_url: str, log: Path) -> Iterator[None]:
-    with open(log, "w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        _wait_http(ready_url, proc, log)
+    """Run ``args`` (output to ``log``) until the block ends, once ``ready_url`` answers 200 (30 s at most)."""
+    with procs.start(args, log=log) as proc:
+        proc.wait_for_http(ready_url, 30.0)
         yield
-    finally:
-        terminate(proc)
-
-
-def terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it is still there after 10 s."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
 
 
 @contextlib.contextmanager
 def node_exporter() -> Iterator[Served]:
     require()
-    port = free_port()
+    port = procs.free_port()
     tmp = Path(tempfile.mkdtemp(prefix="kvcap-node-exporter-"))
     args = [str(NODE_EXPORTER), f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
             "--collector.netdev", "--collector.netdev.device-exclude=^$", "--collector.meminfo"]  # keep lo
     try:
         with _process(args, f"http://127.0.0.1:{port}/metrics", tmp / "log"):
-            yield Served(f"http://127.0.0.1:{port}", time.time())
+            yield Served(f"http://127.0.0.1:{port}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -154,7 +123,7 @@ def node_exporter() -> Iterator[Served]:
 def prometheus(jobs: dict[str, list[str]], interval: str = "1s") -> Iterator[Served]:
     """Prometheus scraping each job's targets (base URLs; /metrics) every ``interval``, until all are up."""
     require()
-    port = free_port()
+    port = procs.free_port()
     tmp = Path(tempfile.mkdtemp(prefix="kvcap-prometheus-"))
     scrape = [{"job_name": job, "static_configs": [{"targets": [u.split("://", 1)[1].rstrip("/") for u in urls]}]}
               for job, urls in jobs.items()]
@@ -176,7 +145,7 @@ def prometheus(jobs: dict[str, list[str]], interval: str = "1s") -> Iterator[Ser
                 time.sleep(0.3)
             else:
                 raise RuntimeError(f"Prometheus targets not all up: {up}")
-            yield Served(url, time.time())
+            yield Served(url)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -5,21 +5,17 @@
         srv.stats()    # GET /stats as a dict
 
 Keyword options map to CLI flags (``tokens_per_chunk=4`` → ``--tokens-per-chunk 4``; ``True`` → bare flag;
-``False``/``None`` → omitted; a list or tuple → the flag repeated). Every started process is killed at the
-latest when the interpreter exits.
+``False``/``None`` → omitted; a list or tuple → the flag repeated). The process is started and stopped by
+kvcap.procs (its own process group; stopped at the latest when the interpreter exits).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
-import select
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,10 +23,12 @@ from typing import Any
 
 import pytest
 
+from kvcap import procs
+
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 20.0
-
-_live: set[FakeServer] = set()
+STOP_GRACE_S = 5.0
+LISTENING = r"^listening on (http://\S+)\s*$"
 
 
 def server_args(**options: Any) -> list[str]:
@@ -53,8 +51,8 @@ def server_args(**options: Any) -> list[str]:
 class FakeServer:
     """A running fake-server subprocess: its base URL, its counters, and a stop that always kills."""
 
-    def __init__(self, proc: subprocess.Popen[str], url: str, stderr_path: str, args: list[str]) -> None:
-        self.proc, self.url, self.args = proc, url, args
+    def __init__(self, process: procs.Process, url: str, stderr_path: str, args: list[str]) -> None:
+        self.process, self.url, self.args = process, url, args
         self._stderr_path = stderr_path
 
     @property
@@ -69,30 +67,9 @@ class FakeServer:
         """GET /stats. Blocking; from async code it stalls the loop for about a millisecond."""
         return json.loads(self.get("/stats"))
 
-    def metrics(self) -> str:
-        return self.get("/metrics").decode()
-
-    def stderr(self) -> str:
-        try:
-            return Path(self._stderr_path).read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL if it lingers; idempotent."""
-        _live.discard(self)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        """SIGTERM, then SIGKILL if it lingers past ``timeout``; idempotent."""
+        self.process.stop(grace_s=timeout)
         with contextlib.suppress(OSError):
             os.unlink(self._stderr_path)
 
@@ -110,36 +87,18 @@ def start_fake_server(**options: Any) -> FakeServer:
     """Start ``python -m kvcap.testing.server --port 0 …`` and wait for its ``listening on`` line."""
     args = server_args(**options)
     fd, stderr_path = tempfile.mkstemp(prefix="kvcap-fake-", suffix=".stderr")
+    os.close(fd)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    with os.fdopen(fd, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvcap.testing.server", "--port", "0", *args],
-                                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True,
-                                cwd=ROOT, env=env)
-    server = FakeServer(proc, "", stderr_path, args)
-    _live.add(server)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    line = ""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if ready:
-            line = proc.stdout.readline()
-            break
-        if proc.poll() is not None:
-            break
-    if not line.startswith("listening on http://"):
-        stderr = server.stderr()
+    process = procs.start([sys.executable, "-m", "kvcap.testing.server", "--port", "0", *args],
+                          name=f"fake server {args}", log=Path(stderr_path), pipe_stdout=True, cwd=ROOT, env=env,
+                          grace_s=STOP_GRACE_S)
+    server = FakeServer(process, "", stderr_path, args)
+    try:
+        server.url = process.wait_for_line(LISTENING, START_TIMEOUT_S).group(1)
+    except BaseException:  # StartError (it says why, with the server's stderr tail) or an interrupt
         server.stop()
-        raise RuntimeError(f"fake server {args} did not start (got {line!r}): {stderr[-2000:]}")
-    server.url = line.strip().removeprefix("listening on ")
+        raise
     return server
-
-
-@atexit.register
-def _kill_all() -> None:
-    for server in list(_live):
-        with contextlib.suppress(Exception):
-            server.stop(timeout=2.0)
 
 
 @pytest.fixture

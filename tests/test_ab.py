@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import yaml
 
+from kvcap.procs import free_port
 from kvcap.rundir import RunDir
 from tests.conftest import run_cli
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ab_interleaves_repeats_and_reports(tmp_path):

@@ -13,6 +13,8 @@ from tests.conftest import run_cli
 from tests.llamacpp import llama_server
 from tests.tiny_gguf import write_tiny_llama_gguf
 
+pytestmark = pytest.mark.llamacpp
+
 
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory):

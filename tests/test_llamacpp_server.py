@@ -25,6 +25,8 @@ import pytest
 from tests.llamacpp import MISSING_BINARY_HINT, llama_server, llama_server_binary, pinned_version
 from tests.tiny_gguf import TINY_VOCAB, words_prompt, write_tiny_llama_gguf
 
+pytestmark = pytest.mark.llamacpp
+
 PARALLEL = 2
 CTX_SIZE = 1024  # -> 512 tokens per slot (KV is not unified with an explicit --parallel)
 SLOT_CTX = CTX_SIZE // PARALLEL

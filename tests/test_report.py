@@ -22,9 +22,11 @@ import pytest
 
 from kvcap.analysis.summary import build_summary
 from kvcap.analysis.verdict import compare
+from kvcap.report.data import level_windows, levels_from_per_level
+from kvcap.report.format import esc, fmt, fmtm, level_name, pair, signed, value_text
 from kvcap.report.html import render_html, render_html_single, write_html
 from kvcap.report.markdown import render_markdown, render_markdown_single
-from kvcap.rundir import RunDir, RunWriter
+from kvcap.rundir import MANIFEST, RunDir, RunWriter, write_json_atomic
 
 CHROMIUM = os.environ.get("KVCAP_CHROMIUM", "/usr/bin/chromium")
 LEVELS = (4, 8, 12)
@@ -42,12 +44,13 @@ def synth_run(out: Path, slots: int, arm: str, seed: int) -> Path:
     """A closed-loop run against a model server with ``slots`` decode slots, written as kvcap writes runs."""
     rng = random.Random(seed)
     w = RunWriter(out)
-    w.manifest({"tool": "kvcap", "source": "bench", "arm": arm, "run_id": f"synth{seed}", "slo": SLO,
+    manifest = {"tool": "kvcap", "source": "bench", "arm": arm, "run_id": f"synth{seed}", "slo": SLO,
                 "server": {"models": [XSS_MODEL], "engine": "vllm"},
                 "fixed": {"target.url": f"http://127.0.0.1:{9000 + seed}/v1/completions",
                           "model.name": XSS_MODEL, "workload.prompt_set": "a|b", "workload.output_tokens": "20",
                           "load.concurrency": list(LEVELS), "serving.slots": slots},
-                "under_test": ["serving.slots"]})
+                "under_test": ["serving.slots"]}
+    write_json_atomic(out / MANIFEST, manifest)  # as JSON, so the hostile values land exactly as given
     t = 0.0
     for c in LEVELS:
         running, waiting = min(c, slots), max(c - slots, 0)
@@ -187,6 +190,7 @@ def _console(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
 
 
+@pytest.mark.chromium
 def test_renders_in_headless_chromium(report, tmp_path):
     shot = tmp_path / "shot.png"
     proc = _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,2400", report.as_uri())
@@ -222,3 +226,36 @@ def test_markdown(result):
     assert len(re.split(r"(?<!\\)\|", arm_row)) == 8  # 6 cells
     assert "<svg" not in md and "<img" not in md and XSS_MODEL not in md
     assert "Warnings" in md and "&lt;img src=x" in md and "Under test: `serving.slots` 4 → 8" in md
+
+
+def test_formatting_helpers():
+    assert [fmt(v) for v in (None, True, 1234567, 2.0, 1234.5, 12.34, 0.1234, 0.01234)] == [
+        "–", "yes", "1,234,567", "2", "1,234", "12.3", "0.12", "0.0123"]
+    assert fmt(0.5, 3) == "0.500" and fmt(float("inf")) == "inf"
+    assert [fmtm(v) for v in (0, 2.0, 12.0, 1234.0, None)] == ["0", "2.00", "12.0", "1,234", "–"]
+    assert [signed(v) for v in (3, -0.04, 1234.56, None, float("nan"))] == ["+3.0", "-0.0", "+1,234.6", "–", "–"]
+    assert [level_name("concurrency", 8), level_name("rate", 2.5), level_name("x", 1)] == ["c=8", "λ=2.50", "x=1"]
+    assert [value_text(v) for v in ("a b", None, [1, "x"], 2.5)] == ["a b", "null", '[1, "x"]', "2.5"]
+    assert pair([1]) == [1, None] and pair(None) == [None, None] and pair([1, 2]) == [1, 2]
+    assert esc('<a href="x">&</a>') == "&lt;a href=&quot;x&quot;&gt;&amp;&lt;/a&gt;" and esc(None) == ""
+
+
+def test_level_windows_merge_workers_and_order_by_start():
+    levels = [{"mode": "concurrency", "level": 8, "repeat": 0, "worker": 1, "t_start_s": 10.5, "measure_start_s": 11,
+               "measure_end_s": 20, "t_end_s": 21},
+              {"mode": "concurrency", "level": 8, "repeat": 0, "worker": 0, "t_start_s": 10.0, "measure_start_s": 11.5,
+               "measure_end_s": 19.5, "t_end_s": 22},
+              {"mode": "concurrency", "level": 4, "t_start_s": 0.0, "measure_end_s": float("nan")},
+              {"mode": "concurrency", "level": "bad"}]
+    assert level_windows(levels) == [
+        {"mode": "concurrency", "level": 4, "repeat": 0, "t_start_s": 0.0},
+        {"mode": "concurrency", "level": 8, "repeat": 0, "t_start_s": 10.0, "measure_start_s": 11, "measure_end_s": 20,
+         "t_end_s": 22}]
+
+
+def test_levels_from_per_level_pick_one_arm():
+    result = {"per_level": [{"mode": "rate", "level": 2, "output_tok_s": [10.0, 20.0], "ttft_p95_ms": [100, 90],
+                             "slo_ok": [True]}]}
+    assert levels_from_per_level(result, 1) == [
+        {"mode": "rate", "level": 2, "output_tok_s": 20.0, "goodput_tok_s": None, "ttft_ms": {"p95": 90},
+         "tpot_ms": {"p95": None}, "slo_ok": None, "server_running_max": None}]

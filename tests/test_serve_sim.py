@@ -7,14 +7,20 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvcap.procs import terminate
+from kvcap.serve.engine import Engine, EngineLoad
+from kvcap.serve.metrics import RequestCounters, render_metrics
+from kvcap.sim.cluster import cluster_model
+from kvcap.sim.server import RealTimeSim
+from kvcap.specs.scenario import load_scenario
 from tests.conftest import ROOT, run_cli
-from tests.prometheus_stack import terminate
 
 SCENARIO = ROOT / "scenarios" / "seed-reference.yaml"
 
@@ -88,6 +94,43 @@ def test_bench_against_serve_sim_matches_the_simulators_log(serve_sim, tmp_path)
     assert any(t["name"] == "server.requests_parked" for t in telemetry)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["capacity"]["resident_source"].startswith("telemetry")
+
+
+def test_serve_sim_stats_count_what_was_sent(serve_sim):
+    url, _ = serve_sim
+    sent = [(False, 8), (True, 5), (False, 3)]  # (stream, max_tokens), 40-word prompts
+    for streamed, max_tokens in sent:
+        body = json.dumps({"prompt": "word " * 40, "max_tokens": max_tokens, "stream": streamed}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+            r.read()
+    bad = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "a", "model": "other"}',
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(bad, timeout=5)
+    assert refused.value.code == 404
+    with urllib.request.urlopen(url + "/stats", timeout=5) as r:
+        assert r.status == 200
+        stats = json.load(r)
+    assert stats["requests_started"] == stats["requests_finished"] == 3
+    assert stats["requests_rejected"] == 1 and stats["requests_aborted"] == 0
+    assert stats["finished_by_reason"] == {"stop": 0, "length": 3}
+    assert stats["prompt_tokens_total"] == 3 * 40 and stats["completion_tokens_total"] == 8 + 5 + 3
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["max_running"] == 1  # one request at a time
+    assert stats["faults_injected"] == {} and stats["engine_steps"] is None
+    assert stats["config"] == {"model_name": "llama-2-7b", "tokens_per_chunk": 1, "eos_after": None,
+                               "max_model_len": 4096, "mode": "simulated"}
+
+
+def test_real_time_sim_is_an_engine():
+    cm = cluster_model(load_scenario(SCENARIO))
+    engine = RealTimeSim(cm)
+    assert isinstance(engine, Engine)
+    assert engine.load() == EngineLoad(running=0, waiting=0, max_running=0, max_waiting=0)
+    text = render_metrics(engine.metric_families(RequestCounters(), 0.0), "llama-2-7b")
+    assert 'kvcap:num_requests_parked{model_name="llama-2-7b"} 0.0' in text
+    assert "_created" not in text and "request_success" not in text  # the simulator's own series only
 
 
 def test_serve_sim_bad_scenario_is_exit_2(tmp_path):

@@ -141,6 +141,7 @@ def test_prometheus_matrix_rows_align_and_rate():
 # ------------------------------------------------------------------------------------------ real Prometheus
 
 
+@pytest.mark.prometheus
 def test_bench_with_prometheus_dcgm_node_exporter(tmp_path):
     stack.require()
     slots, clients = 4, 8
@@ -184,6 +185,7 @@ def test_bench_with_prometheus_dcgm_node_exporter(tmp_path):
     assert manifest["clock"]["epoch_at_origin"] > 1.6e9
 
 
+@pytest.mark.prometheus
 def test_bench_metrics_urls_label_nodes_and_rate_counters(tmp_path):
     stack.require()
     with start_fake_server(slots=2, step_a="10ms") as srv, stack.node_exporter() as node, \
@@ -215,6 +217,8 @@ def test_bench_bad_prometheus_and_metrics_url(tmp_path):
     assert p.returncode == 2 and "--metrics-url" in p.stderr
 
 
+@pytest.mark.prometheus
+@pytest.mark.llamacpp
 def test_prometheus_scrapes_a_real_llamacpp_server(tmp_path):
     stack.require()
     from tests.llamacpp import llama_server

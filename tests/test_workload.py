@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from kvcap.errors import InputError
+from kvcap.specs.lengths import parse_length
 from kvcap.workload.arrivals import arrival_offsets, parse_arrival
-from kvcap.workload.lengths import parse_length
 from kvcap.workload.prompts import PromptFactory, TokenCounter, load_dataset
 from kvcap.workload.trace import read_trace
-from tests.conftest import SHARED
+from tests.conftest import DATA
 
 
 def test_length_distributions_are_clamped_and_have_their_moments():
@@ -47,7 +47,7 @@ def test_arrivals_rate_cv_and_determinism():
 def tokenizer_json(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from kvcap.workload.prompts import WORDS
+    from kvcap.workload.words import WORDS
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -105,10 +105,10 @@ def test_dataset_rows(tmp_path):
 
 
 def test_real_traces_read():
-    conv = read_trace(str(SHARED / "data" / "traces" / "splitwise_conv.csv"))
+    conv = read_trace(str(DATA / "traces" / "splitwise_conv.csv.gz"))
     assert len(conv) == 19_366
     assert np.mean([r.input_tokens for r in conv]) == pytest.approx(1155, rel=0.01)
     assert np.mean([r.output_tokens for r in conv]) == pytest.approx(211, rel=0.01)
-    moon = read_trace(str(SHARED / "data" / "traces" / "mooncake_conversation_trace.jsonl"), limit=500)
+    moon = read_trace(str(DATA / "traces" / "mooncake_conversation_trace.jsonl.gz"), limit=500)
     assert len(moon) == 500 and moon[0].arrival_s == 0 and moon[0].hash_ids
     assert all(b.arrival_s >= a.arrival_s for a, b in itertools.pairwise(moon))

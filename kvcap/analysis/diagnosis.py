@@ -110,9 +110,9 @@ def _kv_full(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
                          "resident capacity, not stable concurrency; more KV room in HBM (fp8 KV cache, a GQA model, "
                          "bigger or more GPUs) would")
         else:
-            direction = ("VRAM for KV binds while compute has headroom: more KV room in HBM (fp8 KV cache, a GQA model, "
-                         "bigger or more GPUs) raises stable concurrency; an offload tier holds waiting requests but "
-                         "cannot decode them, so it helps only where it saves prefill (reused prefixes)")
+            direction = ("VRAM for KV binds while compute has headroom: more KV room in HBM (fp8 KV cache, a GQA "
+                         "model, bigger or more GPUs) raises stable concurrency; an offload tier holds waiting "
+                         "requests but cannot decode them, so it helps only where it saves prefill (reused prefixes)")
         return {"bound": "kv_capacity", "evidence": ev, "direction": direction}
     return None
 

@@ -44,15 +44,6 @@ def tokens_in_window(rec: dict[str, Any], t0: float, t1: float) -> int:
     return int(np.count_nonzero((times >= t0) & (times < t1)))
 
 
-def _end(rec: dict[str, Any]) -> float:
-    """When a request ended (run-relative s): recorded end, else start + E2E, else its start."""
-    if rec.get("end_s") is not None:
-        return float(rec["end_s"])
-    if rec.get("e2e_ms") is not None:
-        return rec["start_s"] + rec["e2e_ms"] / 1e3
-    return float(rec["start_s"])
-
-
 def level_key(rec: dict[str, Any]) -> tuple[str, float]:
     return (str(rec.get("mode", "concurrency")), float(rec.get("level", 0)))
 
@@ -129,7 +120,7 @@ class LevelArrays:
             with np.errstate(invalid="ignore", divide="ignore"):
                 k_lo = np.where(np.isinf(step), np.where(first >= t0, 0, n), np.ceil((t0 - first) / step))
                 k_hi = np.where(np.isinf(step), np.where(first < t1, 0, -1), np.ceil((t1 - first) / step) - 1)
-            k_lo, k_hi = np.clip(k_lo, 0, n - 1), np.clip(k_hi, -1, n - 1)
+            k_lo, k_hi = np.clip(k_lo, 0, n), np.clip(k_hi, -1, n - 1)  # k_lo = n: every token came before t0
             total += int(np.maximum(k_hi - k_lo + 1, 0).sum())
         return total
 

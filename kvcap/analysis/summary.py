@@ -58,7 +58,8 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
         rates = [i.get("achieved_rate") for i in reps.values() if i.get("achieved_rate") is not None]
         if rates:
             entry["achieved_rate"] = round(float(np.median(rates)), 4)
-        entry["client_warnings"] = sorted({w for i in reps.values() for w in (i.get("client") or {}).get("warnings", [])})
+        entry["client_warnings"] = sorted({w for i in reps.values()
+                                           for w in (i.get("client") or {}).get("warnings", [])})
         w0, w1 = next(iter(windows.values()), (0.0, 0.0))
         level_running = [v for _, v in within(running, w0, w1)]
         level_waiting = [v for _, v in within(waiting, w0, w1)]

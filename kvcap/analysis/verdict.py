@@ -143,7 +143,8 @@ def _per_level(sc: dict[str, Any], st: dict[str, Any], gc: dict, gt: dict,
         lt = tl.get(lc["level"])
         if lt is None:
             continue
-        d = _boot(gt.get(float(lc["level"]), [np.zeros(1)]), rng) - _boot(gc.get(float(lc["level"]), [np.zeros(1)]), rng)
+        level = float(lc["level"])
+        d = _boot(gt.get(level, [np.zeros(1)]), rng) - _boot(gc.get(level, [np.zeros(1)]), rng)
         lo, hi = np.percentile(d, [2.5, 97.5])
         out.append({"level": lc["level"], "mode": lc["mode"],
                     "output_tok_s": [lc["output_tok_s"], lt["output_tok_s"]],

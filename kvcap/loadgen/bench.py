@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import os
-import platform
 import queue
 import socket
 import sys
@@ -18,13 +16,12 @@ from typing import Any
 
 import aiohttp
 
-from kvcap import __version__
 from kvcap.analysis.summary import build_summary
 from kvcap.loadgen.client import Target
 from kvcap.loadgen.runner import LoadPlan, NoProgress, Progress, Runner, make_session
-from kvcap.rundir import SUMMARY, RunDir, RunWriter, write_json_atomic
+from kvcap.rundir import SUMMARY, Manifest, RunDir, RunWriter, write_json_atomic
+from kvcap.specs.lengths import LengthDist
 from kvcap.telemetry.scrape import MetricsSampler
-from kvcap.workload.lengths import LengthDist
 from kvcap.workload.prompts import PromptFactory, TokenCounter, load_dataset
 
 
@@ -106,7 +103,7 @@ async def probe_server(target: Target) -> dict[str, Any]:
 
 
 def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, started: float,
-              epoch_at_origin: float) -> dict[str, Any]:
+              epoch_at_origin: float) -> Manifest:
     t = cfg.target
     fixed: dict[str, Any] = {
         "target.url": t.endpoint, "target.api": t.api, "model.name": t.model,
@@ -122,15 +119,9 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
         "client.host": socket.gethostname(), "client.workers": cfg.workers,
         **cfg.plan.manifest(), **cfg.fixed,
     }
-    return {
-        "tool": "kvcap", "tool_version": __version__, "source": "bench", "arm": cfg.arm, "run_id": cfg.run_id,
-        "started_at": started, "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                                       "python": platform.python_version(), "cpus": os.cpu_count()},
-        "server": server, "slo": cfg.slo, "fixed": fixed, "under_test": cfg.under_test,
-        "header_names": sorted(t.headers),  # names only: values (API keys) are never written
-        # the run's time axis in wall-clock terms (t_s = epoch − epoch_at_origin), to align Prometheus samples
-        "clock": {"epoch_at_origin": epoch_at_origin},
-    }
+    return Manifest(source="bench", run_id=cfg.run_id, started_at=started, fixed=fixed, server=server, arm=cfg.arm,
+                    slo=cfg.slo, under_test=cfg.under_test, header_names=sorted(t.headers),
+                    clock={"epoch_at_origin": epoch_at_origin})
 
 
 def _factory(cfg: BenchConfig, counter: TokenCounter) -> PromptFactory:
@@ -167,7 +158,7 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
         local = LocalSampler(writer.telemetry, clock=lambda: time.perf_counter() - origin)
     try:
         if sampler.urls:
-            sampler.start(session)
+            await sampler.start(session)
         if local is not None:
             local.start()
         if cfg.workers <= 1:

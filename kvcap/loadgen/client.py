@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvcap.rundir import RecordTags, RequestRecord, tpot_ms
 from kvcap.workload.prompts import RequestSpec, TokenCounter
 
 ERROR_CLASSES = ("http_4xx", "http_5xx", "timeout", "connection", "malformed_stream", "server_error_in_stream",
@@ -120,8 +120,9 @@ def _split_tokens(chars: list[int], texts: list[str], total: int, counter: Token
     return [b + f for b, f in zip(base, floors)]
 
 
-def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, keep_texts: bool = False) -> dict[str, Any]:
-    """Per-request record (DESIGN.md field names); times in ms from the scheduled start."""
+def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, tags: RecordTags,
+              keep_texts: bool = False) -> RequestRecord:
+    """The request's record (``rundir.RequestRecord``) after its tags; times in ms from the scheduled start."""
     usage = o.usage or {}
     n_events = len(o.event_times)
     if usage.get("completion_tokens") is not None:
@@ -143,12 +144,10 @@ def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, keep_t
     error = o.error if o.error else (None if o.done else "malformed_stream")
     ttft = (o.t_first - o.t_sched) * 1e3 if o.t_first is not None else None
     e2e = (o.t_last - o.t_sched) * 1e3 if o.t_last is not None and ok else None
-    tpot = None
-    if ok and ttft is not None and e2e is not None and n_out > 1:
-        tpot = (e2e - ttft) / (n_out - 1)
+    tpot = tpot_ms(ttft, e2e, n_out)
     finish = o.finish_reason
-    rec: dict[str, Any] = {
-        "index": req.index, "start_s": round(o.t_sched, 6),
+    rec: RequestRecord = {
+        **tags, "index": req.index, "start_s": round(o.t_sched, 6),
         "end_s": round(o.t_last, 6) if o.t_last is not None else None, "send_delay_ms": round((o.t_sent - o.t_sched) * 1e3, 3),
         "ok": ok, "error": error, "status": o.status,
         "input_tokens": int(usage.get("prompt_tokens") or req.input_tokens),
@@ -305,8 +304,3 @@ def _handle_event(event: bytes, o: Outcome, chat: bool, now: float) -> bool:
             if choice.get("finish_reason"):
                 o.finish_reason = choice["finish_reason"]
     return False
-
-
-def wall_clock_origin() -> tuple[float, float]:
-    """(perf_counter, time.time) taken together: run-relative monotonic times can be placed on the wall clock."""
-    return time.perf_counter(), time.time()

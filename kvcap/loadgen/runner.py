@@ -20,6 +20,7 @@ import aiohttp
 
 from kvcap.loadgen.client import READ_BUFSIZE, ConnectionPolicy, Outcome, Target, stream_request, to_record
 from kvcap.loadgen.monitor import LoopMonitor
+from kvcap.rundir import RecordTags
 from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 from kvcap.workload.prompts import PromptFactory, RequestSpec, TokenCounter
 
@@ -108,7 +109,7 @@ class Runner:
         self.sink.level(info)
         self.progress.level_end(info)
 
-    async def _send(self, session: aiohttp.ClientSession, req: RequestSpec, t_sched: float, tags: dict[str, Any]) -> None:
+    async def _send(self, session: aiohttp.ClientSession, req: RequestSpec, t_sched: float, tags: RecordTags) -> None:
         o = Outcome(t_sched=t_sched)
         try:
             await stream_request(session, self.target, req, o, self.clock, self.connections)
@@ -118,8 +119,8 @@ class Runner:
             raise
         self._emit(o, req, tags)
 
-    def _emit(self, o: Outcome, req: RequestSpec, tags: dict[str, Any]) -> None:
-        rec = {**tags, **to_record(o, req, self.counter, self.keep_texts)}
+    def _emit(self, o: Outcome, req: RequestSpec, tags: RecordTags) -> None:
+        rec = to_record(o, req, self.counter, tags, self.keep_texts)
         self.sink.record(rec)
         self.progress.on_record(rec)
 

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcap.plan import PlanResult
+from kvcap.report.format import MODE_PREFIX
 from kvcap.units import format_bandwidth, format_size
 
 
@@ -108,7 +109,7 @@ def render_levels(summary: dict, console: Console | None = None, title: str = "P
     for col in cols:
         t.add_column(col, justify="left" if col in ("level", "SLO") else "right")
     for lv in summary.get("levels", []):
-        mode = {"concurrency": "c", "rate": "λ", "trace": "trace×"}.get(lv["mode"], lv["mode"])
+        mode = MODE_PREFIX.get(lv["mode"], lv["mode"])
         level = f"{mode}={lv['level']:g}"
         if lv.get("achieved_rate") is not None:
             level += f" (got {lv['achieved_rate']:.2f}/s)"

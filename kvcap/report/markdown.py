@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcap.analysis.slo import format_slo
-from kvcap.report.html import ARMS, VERDICT_MEANING, _level_name, fmt, fmtm
+from kvcap.report.format import ARMS, VERDICT_MEANING, fmt, fmtm, level_name, pair
 
 
 def md_escape(value: Any) -> str:
@@ -35,10 +35,6 @@ def _signed(v: Any) -> str:
 
 def _slo(ok: Any) -> str:
     return "–" if ok is None else "pass" if ok else "FAIL"
-
-
-def _pair(v: Any) -> list[Any]:
-    return list(v) + [None] * (2 - len(v)) if isinstance(v, list) else [None, None]
 
 
 def _finding(d: Any) -> str:
@@ -79,7 +75,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                   right=[False, True, True, True, True, False])
     g = result.get("goodput_gain") or {}
     if g:
-        ci = _pair(g.get("ci95"))
+        ci = pair(g.get("ci95"))
         noise = "beyond noise" if g.get("beyond_noise") else "inside the noise"
         line = f"Goodput Δ **{_signed(g.get('delta_tok_s'))} tok/s**, 95% CI [{_signed(ci[0])}, {_signed(ci[1])}] — {noise}."
         if result.get("efficiency") is not None:
@@ -97,10 +93,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         out += ["", f"SLO: {md_escape(format_slo(result['slo']))}"]
     rows = []
     for r in result.get("per_level") or []:
-        tok, good = _pair(r.get("output_tok_s")), _pair(r.get("goodput_tok_s"))
-        ttft, tpot, ok = _pair(r.get("ttft_p95_ms")), _pair(r.get("tpot_p95_ms")), _pair(r.get("slo_ok"))
-        ci = _pair(r.get("goodput_delta_ci95"))
-        rows.append([_level_name(r.get("mode"), r.get("level")), fmtm(tok[0]), fmtm(tok[1]), fmtm(good[0]),
+        tok, good = pair(r.get("output_tok_s")), pair(r.get("goodput_tok_s"))
+        ttft, tpot, ok = pair(r.get("ttft_p95_ms")), pair(r.get("tpot_p95_ms")), pair(r.get("slo_ok"))
+        ci = pair(r.get("goodput_delta_ci95"))
+        rows.append([level_name(r.get("mode"), r.get("level")), fmtm(tok[0]), fmtm(tok[1]), fmtm(good[0]),
                      fmtm(good[1]), f"[{_signed(ci[0])}, {_signed(ci[1])}]", fmtm(ttft[0]), fmtm(ttft[1]),
                      fmtm(tpot[0]), fmtm(tpot[1]), _slo(ok[0]), _slo(ok[1])])
     if rows:
@@ -127,7 +123,7 @@ def render_markdown_single(summary: dict[str, Any]) -> str:
                   right=[True, True, True, True, False])
     if summary.get("slo"):
         out += ["", f"SLO: {md_escape(format_slo(summary['slo']))}"]
-    rows = [[_level_name(lv.get("mode"), lv.get("level")), fmtm(lv.get("output_tok_s")), fmtm(lv.get("goodput_tok_s")),
+    rows = [[level_name(lv.get("mode"), lv.get("level")), fmtm(lv.get("output_tok_s")), fmtm(lv.get("goodput_tok_s")),
              fmtm((lv.get("ttft_ms") or {}).get("p95")), fmtm((lv.get("tpot_ms") or {}).get("p95")),
              _slo(lv.get("slo_ok")) + ("" if lv.get("slo_ok") or not lv.get("failed_checks")
                                        else " " + ", ".join(map(str, lv["failed_checks"])))]

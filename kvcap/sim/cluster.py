@@ -10,10 +10,14 @@ from dataclasses import dataclass
 
 from kvcap.plan import PlanInputs, PlanResult, kv_bytes_per_sequence, plan, resolve
 from kvcap.sim.cost import cost_model
-from kvcap.sim.engine import ReplicaConfig, SimRequest, Simulation, Tier
+from kvcap.sim.engine import Simulation
+from kvcap.sim.kv import Tier
 from kvcap.sim.links import Link, LinkSet
+from kvcap.sim.policy_vllm import VllmPolicy
+from kvcap.sim.replica import ReplicaConfig
+from kvcap.sim.request import SimRequest
 from kvcap.specs.scenario import Scenario
-from kvcap.workload.trace import MOONCAKE_BLOCK_TOKENS
+from kvcap.workload.words import MOONCAKE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class ClusterModel:
         cost = cost_model(inputs.model, inputs.gpu, tp=sv.tensor_parallel, weights_dtype=p.weights_dtype,
                           kv_dtype=sc.model.kv_dtype)
         blocks_for = _blocks_for(self)
+        policy = VllmPolicy()
         configs = []
         for r in range(p.replicas):
             first, last = r * per_replica, (r + 1) * per_replica - 1
@@ -62,7 +67,7 @@ class ClusterModel:
                 kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=MOONCAKE_BLOCK_TOKENS,
                 prefix_caching=sv.enable_prefix_caching, park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
                 node=nodes[0], host_link=host_link,
-                nic_links=tuple(nics[n] for n in nodes), blocks_for=blocks_for,
+                nic_links=tuple(nics[n] for n in nodes), policy=policy, blocks_for=blocks_for,
                 max_model_len=inputs.model.max_position_embeddings or None))
         return Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish)
 

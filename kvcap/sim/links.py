@@ -23,7 +23,9 @@ class Link:
     bytes_s: float
     latency_s: float
     node: int | None = None
-    active: set[Transfer] = field(default_factory=set)
+    active: dict[Transfer, None] = field(default_factory=dict)
+    """Transfers on the link, in the order they started (a dict, not a set: iteration order must not depend on
+    memory addresses, or the same seed would give different runs)."""
     moved_bytes: float = 0.0
     tx_bytes: float = 0.0
     """Bytes sent from the GPU side (swap-out, prefix store); ``moved_bytes - tx_bytes`` came back (swap-in)."""
@@ -52,7 +54,7 @@ class LinkSet:
 
     def __init__(self) -> None:
         self.links: list[Link] = []
-        self.transfers: set[Transfer] = set()
+        self.transfers: dict[Transfer, None] = {}  # insertion-ordered: runs are reproducible
         self.t = 0.0
 
     def add(self, link: Link) -> Link:
@@ -82,16 +84,16 @@ class LinkSet:
         self.advance(t)
         tr = Transfer(nbytes=nbytes, lanes=lanes, caps=caps, outbound=outbound, on_done=on_done,
                       remaining=max(nbytes, 0.0), latency_s=max(link.latency_s for link in lanes + caps))
-        self.transfers.add(tr)
+        self.transfers[tr] = None
         for link in tr.links():
-            link.active.add(tr)
+            link.active[tr] = None
         self._rerate(tr.links())
         return tr
 
     def _rerate(self, touched: list[Link]) -> None:
-        seen: set[Transfer] = set()
+        seen: dict[Transfer, None] = {}
         for link in touched:
-            seen |= link.active
+            seen.update(link.active)
         for tr in seen:
             share = min(link.bytes_s / len(link.active) for link in tr.links())
             tr.rate = share * len(tr.lanes) if not tr.caps else min(
@@ -110,7 +112,7 @@ class LinkSet:
     def finish(self, tr: Transfer) -> None:
         """Take a transfer whose bytes are through off its links (its ``on_done`` runs after its latency)."""
         tr.remaining = 0.0
-        self.transfers.discard(tr)
+        self.transfers.pop(tr, None)
         for link in tr.links():
-            link.active.discard(tr)
+            link.active.pop(tr, None)
         self._rerate(tr.links())

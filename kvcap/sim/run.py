@@ -12,9 +12,6 @@ arrival. Trace: the rows' arrival times and lengths (Mooncake ``hash_ids`` drive
 from __future__ import annotations
 
 import math
-import os
-import platform
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -27,12 +24,12 @@ import numpy as np
 from kvcap import __version__
 from kvcap.analysis.summary import build_summary
 from kvcap.errors import InputError
-from kvcap.rundir import SUMMARY, RunDir, RunWriter, write_json_atomic
+from kvcap.rundir import SUMMARY, Manifest, RequestRecord, RunDir, RunWriter, tpot_ms, write_json_atomic
 from kvcap.sim.cluster import ClusterModel, cluster_model
-from kvcap.sim.engine import SimRequest, Simulation
+from kvcap.sim.engine import Simulation
+from kvcap.sim.request import SimRequest
+from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import Scenario
-from kvcap.workload.arrivals import parse_arrival
-from kvcap.workload.lengths import parse_length
 from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 
 SAMPLE_S = 1.0
@@ -54,25 +51,6 @@ class SimConfig:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
-def load_plan_from(scenario: Scenario, seed: int = 0) -> LoadPlan:
-    """The scenario's ``load`` section as a LoadPlan (closed loop if ``load.concurrency``, else open loop)."""
-    ld = scenario.load
-    if ld.concurrency:
-        mode, levels = "concurrency", tuple(float(x) for x in ld.concurrency)
-    elif ld.rate:
-        mode, levels = "rate", tuple(float(x) for x in ld.rate)
-    else:
-        raise InputError("the scenario has no load levels: set load.concurrency or load.rate (or give --trace)")
-    if any(x <= 0 for x in levels):
-        raise InputError("load levels must be positive")
-    parse_arrival(ld.arrival)
-    duration = None if ld.requests and ("duration" not in ld.model_fields_set or ld.duration is None) else ld.duration
-    if duration is None and not ld.requests:
-        raise InputError("load.duration is null: give load.requests (a request count per level) instead")
-    return LoadPlan(mode=mode, levels=levels, warmup_s=ld.warmup, duration_s=duration, requests=ld.requests,
-                    repeats=ld.repeats, arrival=ld.arrival, seed=seed)
-
-
 def flatten(prefix: str, obj: Any, out: dict[str, Any]) -> dict[str, Any]:
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -82,56 +60,57 @@ def flatten(prefix: str, obj: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> dict[str, Any]:
+def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> Manifest:
     sc = cfg.scenario
     data = sc.model_dump(mode="json", exclude={"name", "description", "load", "slo"})
     fixed = flatten("", data, {})
     wl = sc.workload
-    fixed.update({"workload.input_tokens": parse_length(wl.input_tokens).spec,
-                  "workload.output_tokens": parse_length(wl.output_tokens).spec,
+    fixed.update({"workload.input_tokens": wl.input_dist.spec, "workload.output_tokens": wl.output_dist.spec,
                   "model.name": cm.inputs.model.name, "server.engine": "kvcap-sim", "server.version": __version__,
                   "load.trace": Path(cfg.trace_file).name if cfg.trace_file else None, **cfg.plan.manifest()})
     p = cm.plan
-    return {"tool": "kvcap", "tool_version": __version__, "source": "sim", "arm": cfg.arm, "run_id": cfg.run_id,
-            "scenario": sc.name, "started_at": started,
-            "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                     "python": platform.python_version(), "cpus": os.cpu_count()},
-            "server": {"engine": "kvcap-sim", "version": __version__, "replicas": p.replicas,
-                       "kv_blocks_per_replica": p.kv_blocks_per_gpu, "kv_tokens_per_replica": p.kv_tokens_per_gpu,
-                       "resident_requests": p.resident_requests},
-            "slo": cfg.slo, "fixed": fixed, "under_test": cfg.under_test}
+    server = {"engine": "kvcap-sim", "version": __version__, "replicas": p.replicas,
+              "kv_blocks_per_replica": p.kv_blocks_per_gpu, "kv_tokens_per_replica": p.kv_tokens_per_gpu,
+              "resident_requests": p.resident_requests}
+    return Manifest(source="sim", run_id=cfg.run_id, started_at=started, fixed=fixed, server=server, arm=cfg.arm,
+                    slo=cfg.slo, under_test=cfg.under_test, scenario=sc.name)
 
 
-def record_of(req: SimRequest, offset: float, record_itl: bool = True) -> dict[str, Any]:
-    """A finished simulated request in bench's record format (times in ms from its arrival)."""
+def _ms(t_s: float | None) -> float | None:
+    return None if t_s is None else round(t_s * 1e3, 3)
+
+
+def record_of(req: SimRequest, offset: float, record_itl: bool = True) -> RequestRecord:
+    """A finished simulated request as a ``rundir.RequestRecord`` (times in ms from its arrival)."""
     tags = req.tags
-    ok = req.error is None and req.out >= req.max_out
-    rec: dict[str, Any] = {"mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"],
-                           "phase": tags["phase"], "worker": 0, "index": req.rid,
-                           "start_s": round(offset + req.arrival, 6)}
-    if not ok:
+    rec: RequestRecord = {"mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"],  # type: ignore[typeddict-item]
+                          "phase": tags["phase"], "worker": 0, "index": req.rid,
+                          "start_s": round(offset + req.arrival, 6)}
+    queue_ms = None if req.t_sched is None else _ms(req.t_sched - req.arrival)
+    if req.error is not None or req.out < req.max_out:
         rec.update({"end_s": round(offset + (req.t_last or req.arrival), 6), "send_delay_ms": 0.0, "ok": False,
                     "error": req.error or "cancelled", "status": 400 if req.error == "http_4xx" else None,
                     "input_tokens": req.prompt, "output_tokens": req.out, "requested_output_tokens": req.max_out,
-                    "tokens_source": "sim", "ttft_ms": None if req.t_first is None else
-                    round((req.t_first - req.arrival) * 1e3, 3), "tpot_ms": None, "e2e_ms": None, "itl_ms": [],
-                    "queue_ms": None if req.t_sched is None else round((req.t_sched - req.arrival) * 1e3, 3),
+                    "tokens_source": "sim", "ttft_ms": None if req.t_first is None else _ms(req.t_first - req.arrival),
+                    "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "queue_ms": queue_ms,
                     "finish_reason": None, "truncated": False, "early_stop": False, "retries": 0, "group": None})
         return rec
     times = req.token_times()
     ttft = (req.t_first - req.arrival) * 1e3  # type: ignore[operator]
     e2e = (float(times[-1]) - req.arrival) * 1e3
     n = req.out
+    tpot = tpot_ms(ttft, e2e, n)
     rec.update({
         "end_s": round(offset + float(times[-1]), 6), "send_delay_ms": 0.0, "ok": True, "error": None, "status": 200,
         "input_tokens": req.prompt, "output_tokens": n, "requested_output_tokens": req.max_out,
-        "tokens_source": "sim", "ttft_ms": round(ttft, 3), "tpot_ms": round((e2e - ttft) / (n - 1), 3) if n > 1 else None,
+        "tokens_source": "sim", "ttft_ms": round(ttft, 3), "tpot_ms": None if tpot is None else round(tpot, 3),
         "e2e_ms": round(e2e, 3),
         "itl_ms": np.round(np.diff(times) * 1e3, 3).tolist() if record_itl else [],
-        "queue_ms": round((req.t_sched - req.arrival) * 1e3, 3),  # type: ignore[operator]
+        "queue_ms": queue_ms,
         "finish_reason": "length", "truncated": False, "early_stop": False, "retries": 0, "group": None,
         "replica": req.replica, "preemptions": req.preemptions, "recomputed_tokens": req.recomputed,
-        "parked_ms": round(req.parked_s * 1e3, 3), "copy_ms": round(req.copy_s * 1e3, 3), "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,
+        "parked_ms": round(req.parked_s * 1e3, 3), "copy_ms": round(req.copy_s * 1e3, 3),
+        "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,
     })
     return rec
 
@@ -214,117 +193,168 @@ class Sampler:
         self.emit(rows)
 
 
+class _LevelRun:
+    """One level (one repeat) of load on one fresh cluster: sends the requests (closed loop: each user's next
+    when its previous one ends; open loop and trace: a schedule fixed in advance), records each as it finishes,
+    and at the drain limit records whatever is still in flight as cancelled."""
+
+    def __init__(self, cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
+                 writer: RunWriter, record_itl: bool):
+        self.plan, self.level, self.repeat, self.offset = plan, level, repeat, offset
+        self.writer, self.record_itl = writer, record_itl
+        self.mode = plan.mode
+        self.measure_start = plan.warmup_s
+        self.measure_end = self.measure_start + plan.duration_s if plan.duration_s is not None else math.inf
+        self.base = {"mode": self.mode, "level": int(level) if self.mode == "concurrency" else level,
+                     "repeat": repeat}
+        self.measured = self.rid = self.inflight = self.ok = self.errors = 0
+        self.stop_at: float | None = None
+        """When the closed loop stopped sending (past the window, or the request count reached)."""
+        self.live: dict[int, SimRequest] = {}
+        """Every request submitted and not yet finished, whatever its state (queued, running, parked, mid-copy)."""
+        self.draining = False
+        self.sim = cm.build(on_finish=self.on_finish)
+        self.sampler = Sampler(self.sim, offset, writer.telemetry, tuple(self.sim.tiers))
+        wl = cm.scenario.workload
+        self.lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, round(level * 1000), repeat))
+        self.specs: list[tuple[float, int, int, Any]] = []
+        """Open loop and trace: (arrival, input tokens, output tokens, hash ids) of every request."""
+        self.last_measured: float | None = None
+
+    # ------------------------------------------------------------------ requests in and out
+    def on_finish(self, req: SimRequest, now: float) -> None:
+        self.inflight -= 1
+        self.live.pop(req.rid, None)
+        rec = record_of(req, self.offset, self.record_itl)
+        if rec["ok"]:
+            self.ok += 1
+        else:
+            self.errors += 1
+        self.writer.record(rec)
+        if self.mode == "concurrency":
+            self.issue(now)
+
+    def new_request(self, t: float, prompt: int, out: int, hashes: tuple[int, ...] = ()) -> SimRequest:
+        phase = "warmup" if t < self.measure_start else "measure"
+        if phase == "measure":
+            self.measured += 1
+        self.rid += 1
+        self.inflight += 1
+        req = SimRequest(rid=self.rid, arrival=t, prompt=prompt, max_out=out, hashes=hashes,
+                         tags={**self.base, "phase": phase})
+        self.live[req.rid] = req
+        return req
+
+    def issue(self, t: float) -> None:
+        """Closed loop: a user sends its next request, unless the level is over."""
+        if self.draining:
+            return
+        plan = self.plan
+        if t >= self.measure_end or (plan.requests is not None and self.measured >= plan.requests):
+            if self.stop_at is None:
+                self.stop_at = t
+            return
+        self.sim.submit(self.new_request(t, *self.lengths.next()), t)
+
+    def start_load(self) -> None:
+        """Closed loop: every user's first request at 0; open loop and trace: the whole schedule."""
+        if self.mode == "concurrency":
+            for _ in range(int(self.level)):
+                self.issue(0.0)
+            return
+        if self.mode == "trace":
+            rows, offsets = trace_schedule(self.plan)
+            self.specs = [(t, r.input_tokens, r.output_tokens, r.hash_ids) for t, r in zip(offsets, rows)]
+        else:
+            self.specs = [(t, *self.lengths.next(), ()) for t in rate_schedule(self.plan, self.level, self.repeat)]
+        for t, i_tok, o_tok, hashes in self.specs:
+            req = self.new_request(t, i_tok, o_tok, tuple(hashes))
+            if req.tags["phase"] == "measure":
+                self.last_measured = t
+            self.sim.submit(req, t)
+
+    # ------------------------------------------------------------------ the clock
+    def drain_limit(self) -> float:
+        """Simulated time after which nothing more is waited for: the window's (or the schedule's) end plus the
+        drain timeout; unbounded for a closed loop counted in requests."""
+        finite_end = self.measure_end if math.isfinite(self.measure_end) else 0.0
+        cap = finite_end + self.plan.drain_timeout_s if math.isfinite(self.measure_end) else math.inf
+        if self.mode != "concurrency" and self.specs:
+            cap = max(self.specs[-1][0], finite_end) + self.plan.drain_timeout_s
+        return cap
+
+    def run(self) -> tuple[float, list[SimRequest]]:
+        """Run the events to the drain limit; returns the level's simulated end and the requests cancelled there
+        (whatever is still in flight is recorded, never dropped, and nothing new is sent)."""
+        sim = self.sim
+        cap = self.drain_limit()
+        sim.run_until(cap, stop=lambda: sim.events > MAX_EVENTS, on_time=self.sampler.until)
+        if sim.events > MAX_EVENTS:
+            raise InputError(f"simulation of level {self.level:g} exceeded {MAX_EVENTS:,} events: shorten "
+                             "load.duration")
+        t_end = cap if sim.heap and math.isfinite(cap) else sim.now  # stopped by the drain limit, or ran dry
+        self.draining = True
+        leftovers = sorted(self.live.values(), key=lambda r: r.rid)
+        for req in leftovers:
+            req.error = "cancelled"
+            sim.finish(req, t_end)
+        self.sampler.until(t_end)
+        return t_end, leftovers
+
+    # ------------------------------------------------------------------ the levels.jsonl line
+    def window_end(self, t_end: float) -> float:
+        """End of the measured window: when the closed loop stopped sending (at most the window's end), the
+        window's end for a timed open loop, else the last measured arrival."""
+        if self.mode == "concurrency":
+            end = self.stop_at if self.stop_at is not None else t_end
+            if math.isfinite(self.measure_end):
+                end = min(end, self.measure_end)
+        elif self.mode == "rate" and self.plan.duration_s is not None:
+            end = self.measure_end
+        else:
+            end = self.last_measured if self.last_measured is not None else t_end
+        return max(end, self.measure_start)
+
+    def info(self, t_end: float, wall: float, cancelled: int) -> dict[str, Any]:
+        offset, level = self.offset, self.base["level"]
+        end = self.window_end(t_end)
+        window = max(end - self.measure_start, 1e-9)
+        reps = self.sim.replicas
+        info: dict[str, Any] = {
+            "mode": self.mode, "level": level, "repeat": self.repeat, "target": level,
+            "t_start_s": round(offset, 6), "t_end_s": round(offset + t_end, 6),
+            "measure_start_s": round(offset + self.measure_start, 6), "measure_end_s": round(offset + end, 6),
+            "sent_measured": self.measured, "late_sends": 0,
+            "achieved_rate": round(self.measured / window, 4) if self.mode == "rate" else None,
+            "client": {"warnings": []}, "interrupted": False,
+            "sim": {"events": self.sim.events, "wall_s": round(wall, 4), "simulated_s": round(t_end, 4),
+                    "realtime_factor": round(t_end / wall, 1) if wall > 0 else None,
+                    "preemptions": sum(r.preemptions for r in reps),
+                    "running_peak": max(r.running_peak for r in reps),
+                    "finished": self.ok, "errors": self.errors, "cancelled": cancelled}}
+        if self.mode == "trace":
+            info["trace_requests"] = len(self.specs)
+        return info
+
+
 def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
                    writer: RunWriter, record_itl: bool = True) -> tuple[dict[str, Any], float]:
     """One level (one repeat) on a fresh cluster; returns its levels.jsonl line and its simulated length."""
-    wl = cm.scenario.workload
-    mode = plan.mode
-    measure_start = plan.warmup_s
-    measure_end = measure_start + plan.duration_s if plan.duration_s is not None else math.inf
-    state = {"measured": 0, "stop_at": None, "rid": 0, "inflight": 0, "ok": 0, "errors": 0}
-    base = {"mode": mode, "level": int(level) if mode == "concurrency" else level, "repeat": repeat}
-
-    live: dict[int, SimRequest] = {}
-    """Every request submitted and not yet finished, whatever its state (queued, running, parked, mid-copy)."""
-    draining = [False]
-
-    def on_finish(req: SimRequest, now: float) -> None:
-        state["inflight"] -= 1
-        live.pop(req.rid, None)
-        rec = record_of(req, offset, record_itl)
-        state["ok" if rec["ok"] else "errors"] += 1
-        writer.record(rec)
-        if mode == "concurrency":
-            issue(now)
-
-    sim = cm.build(on_finish=on_finish)
-    tiers = tuple(sim.tiers)
-    sampler = Sampler(sim, offset, writer.telemetry, tiers)
-
-    def new_request(t: float, prompt: int, out: int, hashes: tuple[int, ...] = ()) -> SimRequest:
-        phase = "warmup" if t < measure_start else "measure"
-        if phase == "measure":
-            state["measured"] += 1
-        state["rid"] += 1
-        state["inflight"] += 1
-        req = SimRequest(rid=state["rid"], arrival=t, prompt=prompt, max_out=out, hashes=hashes,
-                         tags={**base, "phase": phase})
-        live[req.rid] = req
-        return req
-
-    lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, round(level * 1000), repeat))
-
-    def issue(t: float) -> None:
-        if draining[0]:
-            return
-        if t >= measure_end or (plan.requests is not None and state["measured"] >= plan.requests):
-            if state["stop_at"] is None:
-                state["stop_at"] = t
-            return
-        sim.submit(new_request(t, *lengths.next()), t)
-
-    last_measured = None
-    if mode == "concurrency":
-        for _ in range(int(level)):
-            issue(0.0)
-    else:
-        if mode == "trace":
-            rows, offsets = trace_schedule(plan)
-            specs = [(t, r.input_tokens, r.output_tokens, r.hash_ids) for t, r in zip(offsets, rows)]
-        else:
-            specs = [(t, *lengths.next(), ()) for t in rate_schedule(plan, level, repeat)]
-        for t, i_tok, o_tok, hashes in specs:
-            req = new_request(t, i_tok, o_tok, tuple(hashes))
-            if req.tags["phase"] == "measure":
-                last_measured = t
-            sim.submit(req, t)
-
+    run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl)
+    run.start_load()
     wall0 = time.perf_counter()
-    horizon = (measure_end if math.isfinite(measure_end) else 0.0) + plan.drain_timeout_s
-    cap = horizon if math.isfinite(measure_end) else math.inf
-    if mode != "concurrency" and specs:
-        cap = max(specs[-1][0], measure_end if math.isfinite(measure_end) else 0.0) + plan.drain_timeout_s
-    sim.run_until(cap, stop=lambda: sim.events > MAX_EVENTS, on_time=sampler.until)
-    if sim.events > MAX_EVENTS:
-        raise InputError(f"simulation of level {level:g} exceeded {MAX_EVENTS:,} events: shorten load.duration")
-    t_end = cap if sim.heap and math.isfinite(cap) else sim.now  # stopped by the drain limit, or ran dry
-    # whatever is still in flight at the drain limit is reported (never dropped), and nothing new is sent
-    draining[0] = True
-    leftovers = sorted(live.values(), key=lambda r: r.rid)
-    for req in leftovers:
-        req.error = "cancelled"
-        sim.finish(req, t_end)
-    sampler.until(t_end)
+    t_end, cancelled = run.run()
     wall = time.perf_counter() - wall0
-    if mode == "concurrency":
-        end = state["stop_at"] if state["stop_at"] is not None else t_end
-        if math.isfinite(measure_end):
-            end = min(end, measure_end)
-    elif mode == "rate" and plan.duration_s is not None:
-        end = measure_end
-    else:
-        end = last_measured if last_measured is not None else t_end
-    end = max(end, measure_start)
-    window = max(end - measure_start, 1e-9)
-    info = {"mode": mode, "level": base["level"], "repeat": repeat, "target": base["level"],
-            "t_start_s": round(offset, 6), "t_end_s": round(offset + t_end, 6),
-            "measure_start_s": round(offset + measure_start, 6), "measure_end_s": round(offset + end, 6),
-            "sent_measured": state["measured"], "late_sends": 0,
-            "achieved_rate": round(state["measured"] / window, 4) if mode == "rate" else None,
-            "client": {"warnings": []}, "interrupted": False,
-            "sim": {"events": sim.events, "wall_s": round(wall, 4), "simulated_s": round(t_end, 4),
-                    "realtime_factor": round(t_end / wall, 1) if wall > 0 else None,
-                    "preemptions": sum(r.preemptions for r in sim.replicas),
-                    "running_peak": max(r.running_peak for r in sim.replicas),
-                    "finished": state["ok"], "errors": state["errors"], "cancelled": len(leftovers)}}
-    if mode == "trace":
-        info["trace_requests"] = len(specs)
+    info = run.info(t_end, wall, len(cancelled))
     writer.level(info)
     return info, t_end
 
 
 def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every level × repeat of the plan; returns the summary (also written to ``summary.json``)."""
+    if cfg.scenario.workload.prefix_groups:
+        raise InputError("workload.prefix_tokens / prefix_groups are not simulated: replay a trace with hash_ids "
+                         "(e.g. Mooncake's) for prefix reuse")
     cm = cluster_model(cfg.scenario)
     writer = RunWriter(cfg.out, overwrite=cfg.overwrite)
     started = time.time()

@@ -2,8 +2,8 @@
 
 Why: so that ``kvcap bench`` — or guidellm, ``vllm bench serve``, the ``openai`` package — can be pointed at a
 simulated cluster and measured exactly like a real one. The HTTP side (completions and chat, SSE chunks,
-``usage``, ``[DONE]``, validation errors) is the project's test server; the token clock behind it is the
-simulator, advanced to the wall clock, one engine step per event so every token leaves when its step ends.
+``usage``, ``[DONE]``, validation errors) is the shared front end (:mod:`kvcap.serve`); the engine behind it
+is the simulator, advanced to the wall clock, one engine step per event so every token leaves when its step ends.
 ``/metrics`` speaks vLLM's names (plus ``kvcap:num_requests_parked``), summed over replicas. ``--log`` appends
 the simulator's own record of each request (bench's record format), to check a client's figures against.
 """
@@ -12,30 +12,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from kvcap.aio import cancel_and_wait
+from kvcap.serve.app import RunningServer, make_app, start_server
+from kvcap.serve.engine import EngineLoad, Occupancy, TokenSlot
+from kvcap.serve.metrics import Counter, Gauge, MetricFamily, RequestCounters
+from kvcap.serve.protocol import ApiConfig
 from kvcap.sim.cluster import ClusterModel
-from kvcap.sim.engine import SimRequest
+from kvcap.sim.request import SimRequest
 from kvcap.sim.run import record_of
-from kvcap.testing.server import FakeServerState, RunningServer, ServerConfig, start_server
 
 
-class _Handle:
-    __slots__ = ("produced", "req", "waiter", "want")
+class _Handle(TokenSlot):
+    __slots__ = ("req",)
 
     def __init__(self, req: SimRequest) -> None:
+        super().__init__()
         self.req = req
-        self.produced = 0
-        self.want = 0
-        self.waiter: asyncio.Future[None] | None = None
+
+    def ended(self) -> bool:
+        return self.req.state == "done"  # failed or cancelled inside the simulator: nothing more will come
 
 
 class RealTimeSim:
-    """The engine interface the test server expects (submit / wait / cancel / start / stop), backed by the
-    simulator; simulated time = loop time since start."""
+    """The front end's :class:`kvcap.serve.engine.Engine`, backed by the simulator; simulated time = loop time
+    since start. Running/waiting high-water marks are sampled each time the simulator is advanced."""
 
     def __init__(self, cm: ClusterModel, log: Path | None = None):
         self.cm = cm
@@ -49,6 +55,7 @@ class RealTimeSim:
         self._wake: asyncio.Event | None = None
         self._log = open(log, "ab") if log is not None else None  # noqa: SIM115 - appended to per request
         self.finished = 0
+        self.occupancy = Occupancy()
 
     # ---- engine interface
     def start(self) -> None:
@@ -58,10 +65,7 @@ class RealTimeSim:
         self._task = loop.create_task(self._drive(), name="kvcap-serve-sim")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self._log is not None:
             self._log.close()
 
@@ -78,18 +82,10 @@ class RealTimeSim:
         return h
 
     async def wait(self, h: _Handle, n: int) -> bool:
-        if h.produced >= n:
-            return False
-        loop = asyncio.get_running_loop()
-        while h.produced < n:
-            if h.req.state == "done" and h.produced < n:
-                return True  # failed or cancelled inside the simulator: nothing more will come
-            h.want = n
-            h.waiter = loop.create_future()
-            await h.waiter
-        return True
+        return await h.wait_for(n)
 
-    def cancel(self, h: _Handle) -> None:
+    def release(self, h: _Handle) -> None:
+        """Abort the request in the simulator unless it is done (its client left, or a fault cut it)."""
         req = h.req
         if (req.state != "done" and 0 <= req.replica < len(self.sim.replicas)
                 and self.sim.replicas[req.replica].abort(req, self.sim.now)):
@@ -100,16 +96,13 @@ class RealTimeSim:
         h = self.handles.get(req.rid)
         if h is None:
             return
-        h.produced = req.out
-        w = h.waiter
-        if w is not None and h.produced >= h.want and not w.done():
-            w.set_result(None)
+        h.deliver(req.out)
 
     def _finished(self, req: SimRequest, now: float) -> None:
         self.finished += 1
         h = self.handles.pop(req.rid, None)
-        if h is not None and h.waiter is not None and not h.waiter.done():
-            h.waiter.set_result(None)
+        if h is not None:
+            h.wake()
         if self._log is not None:
             self._log.write(orjson.dumps(record_of(req, 0.0)) + b"\n")
             self._log.flush()
@@ -119,6 +112,7 @@ class RealTimeSim:
         assert self._wake is not None
         while True:
             self.sim.run_until(loop.time() - self.t0)
+            self._observe()
             heap = self.sim.heap
             self._wake.clear()
             timeout = None if not heap else max(0.0, heap[0][0] - (loop.time() - self.t0))
@@ -128,30 +122,33 @@ class RealTimeSim:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
-    # ---- /metrics
-    def metrics(self, state: FakeServerState) -> str:
+    # ---- /stats and /metrics
+    def _observe(self) -> None:
         reps = self.sim.replicas
-        label = f'model_name="{state.cfg.model_name}"'
-        values: list[tuple[str, str, str, float]] = [
-            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
-             sum(len(r.running) for r in reps)),
-            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-             sum(len(r.waiting) for r in reps)),
-            ("kvcap:num_requests_parked", "gauge", "Requests whose KV is parked in an offload tier.",
-             sum(len(r.parked) + r.moving for r in reps)),
-            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-             sum(r.kv_usage() for r in reps) / len(reps)),
-            ("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
-             sum(r.preemptions for r in reps)),
-            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-             sum(r.prompt_tokens for r in reps)),
-            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
-             sum(r.generation_tokens for r in reps)),
+        self.occupancy.set_running(sum(len(r.running) for r in reps))
+        self.occupancy.set_waiting(sum(len(r.waiting) for r in reps))
+
+    def load(self) -> EngineLoad:
+        self._observe()
+        return self.occupancy.load()
+
+    def metric_families(self, served: RequestCounters, started_wall: float) -> list[MetricFamily]:
+        """vLLM's names summed over replicas, plus ``kvcap:num_requests_parked``; no ``*_created`` series."""
+        reps, now = self.sim.replicas, self.load()
+        return [
+            Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", now.running),
+            Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", now.waiting),
+            Gauge("kvcap:num_requests_parked", "Requests whose KV is parked in an offload tier.",
+                  sum(len(r.parked) + r.moving for r in reps)),
+            Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                  sum(r.kv_usage() for r in reps) / len(reps)),
+            Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                    [("", sum(r.preemptions for r in reps))]),
+            Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                    [("", sum(r.prompt_tokens for r in reps))]),
+            Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                    [("", sum(r.generation_tokens for r in reps))]),
         ]
-        out: list[str] = []
-        for name, kind, help_, value in values:
-            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {float(value)!r}"]
-        return "\n".join(out) + "\n"
 
 
 async def serve(cm: ClusterModel, host: str = "127.0.0.1", port: int = 8000, log: Path | None = None,
@@ -160,8 +157,8 @@ async def serve(cm: ClusterModel, host: str = "127.0.0.1", port: int = 8000, log
     engine = RealTimeSim(cm, log)
     name = model_name or cm.inputs.model.name
     max_len = cm.inputs.model.max_position_embeddings or 131072
-    cfg = ServerConfig(model_name=name, max_model_len=max_len)
-    server = await start_server(cfg, host, port, engine=engine, metrics=engine.metrics)
+    api = ApiConfig(model_name=name, max_model_len=max_len)
+    server = await start_server(make_app(api, engine, config={**asdict(api), "mode": "simulated"}), host, port)
     return server, engine
 
 

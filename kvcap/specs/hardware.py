@@ -62,11 +62,8 @@ def _catalog(file: str) -> dict[str, dict]:
 
 
 def gpu_names() -> tuple[str, ...]:
-    return tuple(sorted(_catalog("gpus.yaml")))
-
-
-def link_names() -> tuple[str, ...]:
-    return tuple(sorted(_catalog("links.yaml")))
+    """The GPU presets in the catalog's order (the order `kvcap plan --help` lists them in)."""
+    return tuple(_catalog("gpus.yaml"))
 
 
 def _entry(file: str, name: str, what: str) -> tuple[str, dict]:

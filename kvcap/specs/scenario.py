@@ -8,30 +8,22 @@ Quantities accept unit strings (``24GiB``, ``100Gbps``, ``500ms``) and are held 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from kvcap.errors import InputError
-from kvcap.units import parse_bandwidth, parse_duration, parse_fraction, parse_size
-
-Size = Annotated[int, BeforeValidator(lambda v: parse_size(v))]
-Bandwidth = Annotated[float, BeforeValidator(lambda v: parse_bandwidth(v))]
-Duration = Annotated[float, BeforeValidator(lambda v: parse_duration(v))]
-OptionalDuration = Annotated[float | None, BeforeValidator(lambda v: None if v is None else parse_duration(v))]
-Fraction = Annotated[float, BeforeValidator(lambda v: parse_fraction(v))]
+from kvcap.specs.fields import Bandwidth, Duration, Fraction, Size, Strict, validation_message
+from kvcap.specs.load import LoadSpec, WorkloadSpec
+from kvcap.units import parse_size
 
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 WeightsDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 KvDtype = Literal["auto", "fp32", "fp16", "bf16", "fp8"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class GpuRef(_Strict):
+class GpuRef(Strict):
     preset: str = "rtx4090"
     memory: Size | None = None
     memory_bandwidth: Bandwidth | None = None
@@ -39,7 +31,7 @@ class GpuRef(_Strict):
     fp8_tflops: float | None = Field(default=None, gt=0)
 
 
-class LinkRef(_Strict):
+class LinkRef(Strict):
     """A link by preset name and/or explicit figures (explicit figures win)."""
 
     preset: str | None = None
@@ -47,7 +39,7 @@ class LinkRef(_Strict):
     latency: Duration | None = None
 
 
-class ClusterSpec(_Strict):
+class ClusterSpec(Strict):
     nodes: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=1, ge=1)
     gpu: GpuRef = GpuRef()
@@ -67,7 +59,7 @@ class ClusterSpec(_Strict):
         return self.nodes * self.gpus_per_node
 
 
-class ModelRef(_Strict):
+class ModelRef(Strict):
     preset: str | None = None
     config: str | None = None
     weights_dtype: WeightsDtype | None = None
@@ -86,7 +78,7 @@ class ModelRef(_Strict):
 KvOffload = Literal["none", "host", "remote", "host+remote"]
 
 
-class ServingSpec(_Strict):
+class ServingSpec(Strict):
     engine: str = "vllm"
     tensor_parallel: int = Field(default=1, ge=1)
     pipeline_parallel: int = Field(default=1, ge=1)
@@ -120,59 +112,7 @@ class ServingSpec(_Strict):
                 "host+remote": ("hbm", "host", "remote")}[self.kv_offload]
 
 
-def _length(v: Any) -> int | str:
-    """A fixed token count, or a distribution spec as bench takes it (``uniform:128,256``, ``normal:1024,64``)."""
-    from kvcap.workload.lengths import parse_length
-
-    dist = parse_length(v, "token length")
-    return int(dist.a) if dist.kind == "fixed" else dist.spec
-
-
-Length = Annotated[int | str, BeforeValidator(_length)]
-
-
-class WorkloadSpec(_Strict):
-    input_tokens: Length = 1024
-    output_tokens: Length = 256
-
-    @property
-    def input_mean(self) -> int:
-        return _mean(self.input_tokens)
-
-    @property
-    def output_mean(self) -> int:
-        return _mean(self.output_tokens)
-
-
-def _mean(v: int | str) -> int:
-    from kvcap.workload.lengths import parse_length
-
-    return v if isinstance(v, int) else max(1, round(parse_length(v).mean))
-
-
-class LoadSpec(_Strict):
-    concurrency: list[int] | None = None
-    rate: list[float] | None = None
-    duration: OptionalDuration = 60.0
-    """Measured time per level; null with ``requests`` (a request count instead)."""
-    requests: int | None = Field(default=None, ge=1)
-    warmup: Duration = 10.0
-    repeats: int = Field(default=1, ge=1)
-    arrival: str = "poisson"
-    response_time: Duration | None = None
-    """Mean response time assumed by `plan` for Little's law (not a load setting)."""
-
-    @field_validator("concurrency", "rate", mode="before")
-    @classmethod
-    def _listify(cls, v: Any) -> Any:
-        if v is None or isinstance(v, list):
-            return v
-        if isinstance(v, str):
-            return [float(x) if "." in x else int(x) for x in v.replace(" ", "").split(",") if x]
-        return [v]
-
-
-class Scenario(_Strict):
+class Scenario(Strict):
     name: str = "scenario"
     description: str = ""
     cluster: ClusterSpec = ClusterSpec()
@@ -242,19 +182,6 @@ def read_yaml(path: str | Path, what: str = "scenario") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InputError(f"{what} file {str(p)!r} must hold a mapping at the top level")
     return data
-
-
-def validation_message(exc: ValidationError, where: str) -> str:
-    """First pydantic error as one line: ``scenario.yaml: cluster.nodes: Input should be ≥ 1``."""
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown key"
-    if isinstance(err.get("ctx", {}).get("error"), InputError):
-        msg = str(err["ctx"]["error"])
-    msg = msg.removeprefix("Value error, ")
-    return f"{where}: {loc}: {msg}"
 
 
 def build_scenario(data: dict[str, Any], where: str = "scenario") -> Scenario:

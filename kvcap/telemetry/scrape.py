@@ -98,8 +98,15 @@ class MetricsSampler:
         self.rates = RateTracker()
         self._task: asyncio.Task | None = None
 
-    def start(self, session: aiohttp.ClientSession) -> None:
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Take the first round now (a baseline before any request is sent: a counter's first sample must not
+        already hold the run's first requests), then one round every ``interval_s``."""
+        await self._round(session)
         self._task = asyncio.get_running_loop().create_task(self._run(session))
+
+    async def _round(self, session: aiohttp.ClientSession) -> None:
+        t = self.clock()  # one time per round, so every target's sample of a round sums at the same t
+        await asyncio.gather(*(self._one(session, n, u, t) for n, u in self.targets))
 
     async def _one(self, session: aiohttp.ClientSession, node: str, url: str, t: float) -> None:
         try:
@@ -115,14 +122,12 @@ class MetricsSampler:
 
     async def _run(self, session: aiohttp.ClientSession) -> None:
         next_t = time.perf_counter()
-        while True:  # one time per round, so every target's sample of a round sums at the same t
-            t = self.clock()
-            await asyncio.gather(*(self._one(session, n, u, t) for n, u in self.targets))
+        while True:
             next_t += self.interval_s
             await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
+            await self._round(session)
 
     async def stop(self, session: aiohttp.ClientSession | None = None) -> None:
         await cancel_and_wait(self._task)
         if session is not None:  # one last sample so counters cover the whole run
-            t = self.clock()
-            await asyncio.gather(*(self._one(session, n, u, t) for n, u in self.targets))
+            await self._round(session)

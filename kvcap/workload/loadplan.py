@@ -4,9 +4,12 @@ load model, their phases (warm-up, measured window by duration or request count)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvcap.errors import InputError
+from kvcap.specs.load import LoadSpec
 from kvcap.workload.arrivals import arrival_offsets, parse_arrival
 from kvcap.workload.trace import TraceRow
 
@@ -31,6 +34,31 @@ class LoadPlan:
     drain_timeout_s: float = 120.0
     trace: tuple[TraceRow, ...] = ()
     trace_speed: float = 1.0
+
+    @classmethod
+    def from_spec(cls, spec: LoadSpec, *, trace: Sequence[TraceRow] = (), trace_speed: float = 1.0,
+                  **runtime: Any) -> LoadPlan:
+        """The one translation from a validated load spec (bench flags, scenario or experiment file) to a plan.
+
+        A trace replaces the spec's levels (one level: its time compression). ``runtime`` takes the knobs that
+        are not part of the spec (``max_inflight``, ``drain_timeout_s``, ``first_repeat``, ``repeats`` for ``ab``'s
+        one-repeat-at-a-time runs)."""
+        if trace:
+            mode: Mode = "trace"
+            levels: tuple[float, ...] = (trace_speed,)
+        elif spec.concurrency:
+            mode, levels = "concurrency", tuple(float(x) for x in spec.concurrency)
+        elif spec.rate:
+            mode, levels = "rate", tuple(float(x) for x in spec.rate)
+        else:
+            raise InputError("no load levels: set load.concurrency or load.rate (or give a trace)")
+        if any(x <= 0 for x in levels):
+            raise InputError("load levels must be positive")
+        parse_arrival(spec.arrival)
+        fields: dict[str, Any] = {"warmup_s": spec.warmup, "duration_s": spec.measured_duration,
+                                  "requests": spec.requests, "repeats": spec.repeats, "arrival": spec.arrival,
+                                  "seed": spec.seed, "trace": tuple(trace), "trace_speed": trace_speed}
+        return cls(mode=mode, levels=levels, **{**fields, **runtime})
 
     def manifest(self) -> dict[str, Any]:
         d: dict[str, Any] = {"load.mode": self.mode, f"load.{self.mode}": list(self.levels),

@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 
 from kvcap.errors import InputError
-from kvcap.workload.lengths import LengthDist
-
-WORDS = tuple(["the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "by", "at", "be", "this", "from", "or", "have", "an", "they", "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "do", "so", "can", "what", "up", "said", "about", "other", "into", "than", "its", "time", "only", "could", "new", "them", "man", "some", "these", "then", "two", "first", "may", "any", "like", "now", "my", "such", "make", "over", "our", "even", "most", "me", "state", "after", "also", "made", "many", "did", "must", "before", "back", "see", "through", "way", "where", "get", "much", "go", "well", "your", "know", "should", "down", "work", "year", "because", "come", "people", "just", "say", "each", "those", "take", "day", "good", "how", "long", "very", "great", "old", "little", "world", "own", "off", "last", "right", "still", "might", "while", "high", "us", "life", "every", "never", "under", "last", "city", "water", "house", "small", "found", "part", "place", "case", "point", "group", "number", "land"])
+from kvcap.specs.lengths import LengthDist
+from kvcap.workload.words import WORDS, block_text
 
 
 def _hash(*parts: object) -> str:
@@ -164,8 +163,6 @@ class PromptFactory:
                       level: float = 0, repeat: int = 0) -> RequestSpec:
         """A trace row as a request; rows sharing ``hash_ids`` blocks share prompt text block for block."""
         if hash_ids:
-            from kvcap.workload.trace import block_text
-
             blocks = self._blocks
             for h in hash_ids:
                 if h not in blocks:

@@ -7,16 +7,13 @@ trace shares blocks, so a real server's prefix cache (or KV offload) sees the re
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import IO
 
 from kvcap.errors import InputError
-from kvcap.workload.prompts import WORDS
-
-MOONCAKE_BLOCK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -32,8 +29,8 @@ def read_trace(path: str, limit: int | None = None) -> list[TraceRow]:
     if not p.is_file():
         raise InputError(f"trace {path!r} not found")
     rows: list[TraceRow] = []
-    if p.suffix.lower() == ".csv":
-        with open(p, newline="") as f:
+    if _inner_suffix(p) == ".csv":
+        with _open_text(p) as f:
             reader = csv.DictReader(f)
             cols = set(reader.fieldnames or ())
             t_col = "arrived_at" if "arrived_at" in cols else "TIMESTAMP" if "TIMESTAMP" in cols else None
@@ -54,7 +51,7 @@ def read_trace(path: str, limit: int | None = None) -> list[TraceRow]:
                 if limit and len(rows) >= limit:
                     break
     else:
-        with open(p) as f:
+        with _open_text(p) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -77,12 +74,22 @@ def read_trace(path: str, limit: int | None = None) -> list[TraceRow]:
     return [TraceRow(r.arrival_s - t0, max(1, r.input_tokens), max(1, r.output_tokens), r.hash_ids) for r in rows]
 
 
+def _inner_suffix(p: Path) -> str:
+    """``trace.csv.gz`` → ``.csv``: a gzipped trace is read as what it holds."""
+    suffixes = [x.lower() for x in p.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def _open_text(p: Path) -> IO[str]:
+    if p.suffix.lower() == ".gz":
+        return gzip.open(p, "rt", newline="")
+    return open(p, newline="")
+
+
 def _azure_time(text: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(text.strip().replace(" ", "T")[:26]).timestamp()
 
-
-def block_text(seed: int, block_id: int, tokens: int = MOONCAKE_BLOCK_TOKENS) -> str:
-    rng = np.random.default_rng((seed, 7_777_777, block_id))
-    return " ".join(np.array(WORDS)[rng.integers(len(WORDS), size=tokens)])

@@ -1,0 +1,189 @@
+"""What the commands' parsers and handlers share, so that one flag reads and behaves the same in every command.
+
+The parser that reports a usage error in one line, the help layout, argparse's value parsers, the flags several
+commands take (--set, --slo, --json, --quiet, --out, --arm), and small steps handlers repeat (JSON output, SLO
+and --allow-diff parsing, stopping on Ctrl-C, live progress). Building the parser must stay fast (`kvcap --help`),
+so nothing here imports the library at module level: what loads it is imported inside the function that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NoReturn, TypeVar
+
+from kvcap.errors import InputError
+
+Subparsers = argparse._SubParsersAction
+"""What `ArgumentParser.add_subparsers` returns: each command module's `register` adds its parsers to it."""
+
+Flags = argparse._ActionsContainer
+"""A parser or one of its argument groups: anything `add_argument` can be called on."""
+
+T = TypeVar("T")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (exit 2) instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def formatter(prog: str) -> argparse.HelpFormatter:
+    """The help layout of every command: descriptions and examples as written, flags' help from column 34."""
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=34, width=100)
+
+
+def doc(text: str) -> str:
+    """A triple-quoted description without its indentation and surrounding blank lines."""
+    return textwrap.dedent(text).strip("\n")
+
+
+# ---------------------------------------------------------------- value parsers argparse calls
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def parse_levels(text: str, what: str, integer: bool) -> tuple[float, ...]:
+    """A comma-separated list of positive load levels (`--concurrency 1,2,4`, `--rate 0.5,1`); empty parts skipped."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part) if integer else float(part)
+        except ValueError:
+            raise InputError(f"{what}: {part!r} is not a {'whole number' if integer else 'number'}") from None
+        if v <= 0:
+            raise InputError(f"{what}: levels must be positive, got {part!r}")
+        out.append(v)
+    if not out:
+        raise InputError(f"{what}: give at least one level")
+    return tuple(out)
+
+
+class StoreWithPresets(argparse.Action):
+    """A plain `store` flag whose help may list a catalog's names as `%(presets)s`.
+
+    The names are read only when that help is printed: loading a catalog imports the spec models, which would
+    make every start-up, `kvcap --help` included, several times slower.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, presets: Callable[[], Sequence[str]],
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.presets = _JoinedNames(presets)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+
+
+class _JoinedNames:
+    """Names joined by ", ", looked up when first turned into text (argparse's help formatting does that)."""
+
+    def __init__(self, names: Callable[[], Sequence[str]]) -> None:
+        self._names = names
+
+    def __str__(self) -> str:
+        return ", ".join(self._names())
+
+
+# ---------------------------------------------------------------- flags several commands take
+
+def add_set_flag(p: Flags, help: str = "override any scenario key (repeatable)") -> None:
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help=help)
+
+
+def add_slo_flag(p: Flags, help: str | None = None) -> None:
+    p.add_argument("--slo", metavar="SPEC", help=help)
+
+
+def add_json_flag(p: Flags, help: str | None = None) -> None:
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def add_quiet_flag(p: Flags, help: str | None = None) -> None:
+    p.add_argument("--quiet", action="store_true", help=help)
+
+
+def add_run_dir_flags(p: Flags) -> None:
+    """--out and --overwrite of a command that writes a run directory (bench, sim)."""
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+
+
+def add_arm_flag(p: Flags) -> None:
+    p.add_argument("--arm", help="arm name for A/B (stored in the manifest)")
+
+
+# ---------------------------------------------------------------- steps handlers share
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def comparison_json(result: dict[str, Any]) -> dict[str, Any]:
+    """A comparison as compare.json holds it: without the two full summaries it carries."""
+    return {k: v for k, v in result.items() if k != "summaries"}
+
+
+def optional_slo(spec: str | None) -> Any:
+    """The parsed --slo, or None (then the run's own SLO applies)."""
+    if not spec:
+        return None
+    from kvcap.analysis.slo import parse_slo
+
+    return parse_slo(spec)
+
+
+def allowed_differences(text: str | None) -> set[str]:
+    """--allow-diff KEY,...: the fixed variables the two runs may differ in."""
+    return {k.strip() for k in (text or "").split(",") if k.strip()}
+
+
+def exit_status(summary: dict[str, Any]) -> int:
+    """130 (as after Ctrl-C) when the run was interrupted, else 0."""
+    return 130 if summary.get("interrupted") else 0
+
+
+def on_stop_signals(callback: Callable[[], None]) -> None:
+    """Calls `callback` in the running event loop on Ctrl-C or SIGTERM, instead of raising KeyboardInterrupt."""
+    import asyncio
+    import signal
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, callback)
+
+
+async def with_live_progress(quiet: bool, run: Callable[[Any], Awaitable[T]]) -> T:
+    """`run(progress)` with a live display on a terminal; `run(None)` when quiet or when stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        return await run(None)
+    from kvcap.report.live import RichProgress
+
+    with RichProgress() as progress:
+        return await run(progress)

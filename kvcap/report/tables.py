@@ -1,0 +1,272 @@
+"""The report's tables and lists as HTML: the key numbers, per-level comparison, raw per-level results, per-node
+figures, fixed variables and the diagnosis. Every value from a run is escaped on the way in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvcap.analysis.slo import format_slo
+from kvcap.report.data import Arm, best_goodput_level, capacity, error_class_totals, quantile
+from kvcap.report.format import ARMS, esc, fmt, fmtm, is_finite, level_name, pair, signed, value_text
+
+NOT_FIXED = {"target.url"}
+"""Keys expected to differ between arms (two servers); shown, not flagged. Same set as ``compare`` uses."""
+NODE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("GPU util mean", "gpu_util_mean", "pct"), ("GPU mem max", "gpu_mem_used_max_bytes", "gib"),
+    ("KV usage mean", "kv_usage_mean", "pct"), ("running mean / max", "running", "pair"),
+    ("waiting mean", "waiting_mean", "num"), ("net rx Gbps", "net_rx_gbps_mean", "num"),
+    ("net tx Gbps", "net_tx_gbps_mean", "num"), ("busiest link", "link_util_max", "pct"))
+RAW_HEAD = ["level", "req", "ok", "err", "err rate", "out tok/s", "goodput tok/s", "TTFT p50/p95/p99 ms",
+            "TPOT p50/p95/p99 ms", "ITL p95/p99 ms", "E2E p95 ms", "running max", "waiting mean",
+            "in flight", "scaling eff.", "SLO / conditions"]
+RAW_QUANTILES = (("ttft", ("p50", "p95", "p99")), ("tpot", ("p50", "p95", "p99")), ("itl", ("p95", "p99")),
+                 ("e2e", ("p95",)))
+COMPARE_GROUPS = ["out tok/s", "goodput tok/s", "Δ goodput 95% CI", "TTFT p95 ms", "TPOT p95 ms", "running max",
+                  "SLO"]
+
+
+def resident_text(figures: dict[str, Any], lower_bound: Any) -> str:
+    """Resident requests, ``+ (lower bound)`` when the run never filled memory, and where the number came from."""
+    text = fmt(figures.get("resident")) + ("+ (lower bound)" if lower_bound else "")
+    return text + (f" ({figures['resident_source']})" if figures.get("resident_source") else "")
+
+
+def key_numbers(result: dict[str, Any], labels: dict[str, str]) -> str:
+    """The three numbers per arm plus stress limit and what limited it; then the goodput difference and its noise."""
+    c, t = result.get("control") or {}, result.get("treatment") or {}
+    caps = {arm: capacity(((result.get("summaries") or {}).get(arm)) or {}) for arm in ARMS}
+    rows = [("resident requests", resident_text(c, caps["control"].get("resident_lower_bound")),
+             resident_text(t, caps["treatment"].get("resident_lower_bound"))),
+            ("effective capacity (within SLO)", fmt(c.get("effective")), fmt(t.get("effective"))),
+            ("goodput tok/s (best level)",
+             f"{fmtm(c.get('goodput_tok_s'))} @ {fmt(c.get('goodput_level'))}",
+             f"{fmtm(t.get('goodput_tok_s'))} @ {fmt(t.get('goodput_level'))}"),
+            ("stress limit", fmt(c.get("stress_limit")), fmt(t.get("stress_limit"))),
+            ("limited by", fmt(c.get("limited_by")), fmt(t.get("limited_by")))]
+    body = "".join(f'<tr><th>{esc(k)}</th><td class="num">{esc(a)}</td><td class="num">{esc(b)}</td></tr>'
+                   for k, a, b in rows)
+    table = (f'<table class="keynums"><thead><tr><th></th><th class="num">{esc(labels["control"])}</th>'
+             f'<th class="num">{esc(labels["treatment"])}</th></tr></thead><tbody>{body}</tbody></table>')
+    return table + "".join(f"<p>{x}</p>" for x in _gain_lines(result))
+
+
+def _gain_lines(result: dict[str, Any]) -> list[str]:
+    """Goodput Δ with its CI, efficiency, whether the treatment took effect, the SLO — as HTML lines."""
+    g = result.get("goodput_gain") or {}
+    lines = []
+    if g:
+        ci = g.get("ci95") or [None, None]
+        noise = "beyond noise" if g.get("beyond_noise") else "inside the noise"
+        lines.append(f"goodput Δ <b>{esc(signed(g.get('delta_tok_s')))} tok/s</b>, 95% CI "
+                     f"[{esc(signed(ci[0]))}, {esc(signed(ci[1]))}] — {esc(noise)}")
+    eff = result.get("efficiency")
+    if eff is not None:
+        lines.append(f"efficiency {esc(fmt(eff))} <span class=\"muted\">(relative goodput gain per relative gain in "
+                     "effective capacity; 1 = proportional)</span>")
+    took = result.get("treatment_took_effect")
+    lines.append("treatment took effect on the server: "
+                 + esc({True: "yes (more requests running at the same level)", False: "NO sign of it",
+                        None: "unknown (no server telemetry)"}.get(took, str(took))))
+    if result.get("slo"):
+        lines.append(f"SLO: {esc(format_slo(result['slo']))}")
+    return lines
+
+
+def single_key_numbers(summary: dict[str, Any]) -> str:
+    """One run's capacities and best goodput, then its SLO (or why the SLO-bound numbers are missing)."""
+    cap = capacity(summary)
+    best = best_goodput_level(summary.get("levels") or [])
+    rows = [("resident requests", resident_text(cap, cap.get("resident_lower_bound"))),
+            ("effective capacity (within SLO)", fmt(cap.get("effective"))),
+            ("goodput tok/s (best level)",
+             f"{fmtm(best['goodput_tok_s'])} @ {fmt(best['level'])}" if best else "–"),
+            ("stress limit", fmt(cap.get("stress_limit"))), ("limited by", fmt(cap.get("limited_by")))]
+    nums = ('<table class="keynums"><tbody>' + "".join(
+        f'<tr><th>{esc(k)}</th><td class="num">{esc(v)}</td></tr>' for k, v in rows) + "</tbody></table>")
+    if summary.get("slo"):
+        return nums + f"<p>SLO: {esc(format_slo(summary['slo']))}</p>"
+    return nums + '<p class="muted">No SLO given: effective capacity and goodput need one.</p>'
+
+
+def slo_cell(lv: dict[str, Any], has_slo: bool) -> str:
+    """pass / FAIL (with the failed checks) / an en dash where the level has no SLO verdict."""
+    if lv.get("slo_ok") is None:
+        return "–"
+    if lv.get("slo_ok"):
+        return '<span class="pass">pass</span>'
+    checks = ", ".join(str(c) for c in lv.get("failed_checks") or [])
+    return f'<span class="fail">{"FAIL" if has_slo else "fail"}</span> {esc(checks)}'
+
+
+def per_level_compare(result: dict[str, Any], labels: dict[str, str]) -> str:
+    """Both arms side by side per level, with the per-level goodput Δ CI."""
+    rows = result.get("per_level") or []
+    if not rows:
+        return ""
+    head1 = '<tr><th rowspan="2">level</th>' + "".join(
+        f'<th rowspan="2" class="num">{esc(g)}</th>' if g.startswith("Δ") else f'<th colspan="2">{esc(g)}</th>'
+        for g in COMPARE_GROUPS) + "</tr>"
+    head2 = "<tr>" + "".join(f'<th class="num">{esc(labels[a])}</th>' for g in COMPARE_GROUPS
+                             if not g.startswith("Δ") for a in ARMS) + "</tr>"
+    body = []
+    for r in rows:
+        ci = pair(r.get("goodput_delta_ci95"))
+        cells = [*pair(r.get("output_tok_s")), *pair(r.get("goodput_tok_s"))]
+        cells_txt = [fmtm(x) for x in cells] + [f"[{signed(ci[0])}, {signed(ci[1])}]"]
+        cells_txt += [fmtm(x) for x in (*pair(r.get("ttft_p95_ms")), *pair(r.get("tpot_p95_ms")))]
+        cells_txt += [fmt(x) for x in pair(r.get("server_running_max"))]
+        slo = "".join(f"<td>{slo_cell({'slo_ok': ok}, True)}</td>" for ok in pair(r.get("slo_ok")))
+        body.append(f"<tr><td>{esc(level_name(r.get('mode'), r.get('level')))}</td>"
+                    + "".join(f'<td class="num">{esc(x)}</td>' for x in cells_txt) + slo + "</tr>")
+    return ("<h3>Per-level comparison</h3><div class=\"scroll\"><table class=\"perlevel\"><thead>"
+            + head1 + head2 + "</thead><tbody>" + "".join(body)
+            + "</tbody></table></div>")
+
+
+def node_cell(figs: dict[str, Any], key: str, kind: str) -> str:
+    """One per-node figure: a percentage, GiB, ``mean / max`` running, or a plain number."""
+    if kind == "pair":
+        a, b = figs.get("running_mean"), figs.get("running_max")
+        return "–" if a is None else f"{a:.1f} / {b:.0f}"
+    v = figs.get(key)
+    if v is None:
+        return "–"
+    if kind == "pct":
+        return f"{v:.0%}"
+    if kind == "gib":
+        return f"{v / 2**30:.2f} GiB"
+    return fmt(v, 3)
+
+
+def node_table(a: Arm) -> str:
+    """Per level and node of one arm, the hot node highlighted; empty when no level has per-node figures."""
+    levels = [lv for lv in a.summary.get("levels") or [] if lv.get("nodes")]
+    if not levels:
+        return ""
+    head = "".join(f"<th>{esc(h)}</th>" for h, _, _ in NODE_COLUMNS)
+    rows = []
+    for lv in levels:
+        hot = (lv.get("imbalance") or {}).get("hot")
+        for node, figs in lv["nodes"].items():
+            cls = ' class="hot"' if node == hot else ""
+            cells = "".join(f'<td class="num">{esc(node_cell(figs, k, kind))}</td>' for _, k, kind in NODE_COLUMNS)
+            rows.append(f"<tr{cls}><td>{esc(level_name(lv['mode'], lv['level']))}</td><td>{esc(node)}</td>"
+                        f"{cells}</tr>")
+    return (f'<h3>{esc(a.label)}</h3><div class="scroll"><table class="raw nodes"><thead><tr><th>level</th>'
+            f"<th>node</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def _raw_row(lv: dict[str, Any], has_slo: bool) -> str:
+    trio = {m: " / ".join(fmtm(quantile(lv, m, q)) for q in qs) for m, qs in RAW_QUANTILES}
+    name = level_name(lv.get("mode"), lv.get("level"))
+    if lv.get("achieved_rate") is not None:
+        name += f" (got {fmt(lv['achieved_rate'])}/s)"
+    err_rate = lv.get("error_rate")
+    cells = [fmt(lv.get("requests")), fmt(lv.get("ok")), fmt(lv.get("errors")),
+             f"{err_rate:.1%}" if is_finite(err_rate) else "–", fmtm(lv.get("output_tok_s")),
+             fmtm(lv.get("goodput_tok_s")), trio["ttft"], trio["tpot"], trio["itl"], trio["e2e"],
+             fmt(lv.get("server_running_max")), fmt(lv.get("server_waiting_mean")),
+             fmt((lv.get("littles_law") or {}).get("in_flight")), fmt(lv.get("scaling_efficiency"))]
+    return (f"<tr><td>{esc(name)}</td>" + "".join(f'<td class="num">{esc(c)}</td>' for c in cells)
+            + f"<td>{slo_cell(lv, has_slo)}</td></tr>")
+
+
+def raw_table(summary: dict[str, Any]) -> str:
+    """Every level's numbers as measured: counts, throughput, goodput, latency percentiles, server gauges."""
+    levels = summary.get("levels") or []
+    if not levels:
+        return '<p class="muted">No levels.</p>'
+    out = ['<div class="scroll"><table class="raw"><thead><tr>'
+           + "".join(f'<th{" class=num" if i not in (0, len(RAW_HEAD) - 1) else ""}>{esc(h)}</th>'
+                     for i, h in enumerate(RAW_HEAD)) + "</tr></thead><tbody>"]
+    has_slo = bool(summary.get("slo"))
+    out += [_raw_row(lv, has_slo) for lv in levels]
+    out.append("</tbody></table></div>")
+    errs = error_class_totals(levels)
+    if errs:
+        out.append('<p class="muted">errors by class: ' + esc(", ".join(f"{k} {v}" for k, v in sorted(errs.items())))
+                   + "</p>")
+    return "\n".join(out)
+
+
+def findings(items: Iterable[Any]) -> list[str]:
+    """Diagnosis entries ({arm, bound, evidence, direction}), other dicts, or plain strings — whatever is there."""
+    out = []
+    for d in items:
+        if isinstance(d, dict) and ("bound" in d or "evidence" in d):
+            arm = f'<span class="tag">{esc(d.get("arm"))}</span>' if d.get("arm") else ""
+            text = f"{arm}bounded by <b>{esc(d.get('bound', '?'))}</b>"
+            if d.get("evidence"):
+                text += f" — {esc(d['evidence'])}"
+            if d.get("direction"):
+                text += f". → {esc(d['direction'])}"
+            rest = {k: v for k, v in d.items() if k not in ("arm", "bound", "evidence", "direction")}
+            if rest:
+                text += " " + esc("; ".join(f"{k}: {value_text(v)}" for k, v in rest.items()))
+            out.append(f"<li>{text}</li>")
+        elif isinstance(d, dict):
+            out.append("<li>" + esc("; ".join(f"{k}: {value_text(v)}" for k, v in d.items())) + "</li>")
+        else:
+            out.append(f"<li>{esc(d)}</li>")
+    return out
+
+
+def _fixed_tag(k: str, a: Any, b: Any, differences: set[Any], under: set[Any], allowed: set[Any]) -> tuple[str, str]:
+    """Row class and tag of one fixed variable: differs (red), under test or allowed (blue), expected (grey)."""
+    if k in differences:
+        return "diff", "DIFFERS"
+    if k in under:
+        return "under-test", "under test"
+    if k in allowed:
+        return "under-test", "allowed difference"
+    if k in NOT_FIXED:
+        return "expected", "expected to differ"
+    if a != b:
+        return "diff", "differs"
+    return "", ""
+
+
+def fixed_table(result: dict[str, Any] | None, manifests: dict[str, dict[str, Any]]) -> str:
+    """Key, control, treatment — differences red, variables under test blue, expected differences grey."""
+    fv = (result or {}).get("fixed_variables") or {}
+    under = set(fv.get("under_test") or [])
+    allowed = {d.get("key") for d in fv.get("allowed_differences") or []}
+    differences = {d.get("key") for d in fv.get("differences") or []}
+    fc = (manifests.get("control") or {}).get("fixed") or {}
+    ft = (manifests.get("treatment") or {}).get("fixed") or {}
+    note = ""
+    if not fc and not ft:  # no run directories: only what the result lists
+        for d in list(fv.get("allowed_differences") or []) + list(fv.get("differences") or []):
+            fc.setdefault(d.get("key"), d.get("control"))
+            ft.setdefault(d.get("key"), d.get("treatment"))
+        note = '<p class="muted">Run directories not given: only the keys that differ are listed.</p>'
+    keys = sorted({str(k) for k in fc} | {str(k) for k in ft} | under)
+    if not keys:
+        return '<p class="muted">No fixed variables recorded.</p>'
+    rows = []
+    for k in keys:
+        a, b = fc.get(k), ft.get(k)
+        cls, tag = _fixed_tag(k, a, b, differences, under, allowed)
+        rows.append(f'<tr class="{cls}"><td><code>{esc(k)}</code></td><td>{esc(value_text(a))}</td>'
+                    f"<td>{esc(value_text(b))}</td><td>{esc(tag)}</td></tr>")
+    verdict = ('<p class="pass">Same caliber: every fixed variable matches except those under test.</p>'
+               if fv.get("equal", True) else
+               '<p class="caution">Not the same caliber: fixed variables differ (red rows) — the verdict does not '
+               "isolate the variable under test.</p>")
+    return (verdict + note + '<table class="fixed"><thead><tr><th>key</th><th>control</th><th>treatment</th>'
+            "<th></th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+
+
+def single_fixed_table(manifest: dict[str, Any]) -> str:
+    """One run's fixed variables, those under test highlighted."""
+    fixed = manifest.get("fixed") or {}
+    if not fixed:
+        return '<p class="muted">No fixed variables recorded.</p>'
+    under = set(manifest.get("under_test") or [])
+    rows = [f'<tr class="{"under-test" if k in under else ""}"><td><code>{esc(k)}</code></td>'
+            f"<td>{esc(value_text(v))}</td><td>{'under test' if k in under else ''}</td></tr>"
+            for k, v in sorted(fixed.items(), key=lambda kv: str(kv[0]))]
+    return ('<table class="fixed"><thead><tr><th>key</th><th>value</th><th></th></tr></thead><tbody>'
+            + "".join(rows) + "</tbody></table>")

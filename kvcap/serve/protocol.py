@@ -1,0 +1,208 @@
+"""The OpenAI wire format the front end speaks: request validation, SSE frames, usage blocks and error bodies.
+
+Why a module of its own: what a client sees byte for byte (vLLM's field order, ids, ``[DONE]``) is decided
+here and nowhere else, so the handlers only choose *when* to send and the format can be tested without a
+server. The tokenizer is deliberately trivial: one token per whitespace-separated word, and output token ``i``
+is the word ``"w{i} "``, so a client re-counting words gets the true count.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+class BadRequest(Exception):
+    """A request the front end refuses before generating: HTTP ``status`` with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type = status, message, err_type
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """What the API promises, whatever engine is behind it: the model id, its context length, how many tokens
+    one SSE event carries and (``eos_after``) when generation stops on its own unless ``ignore_eos``."""
+
+    model_name: str = "fake-model"
+    tokens_per_chunk: int = 1
+    eos_after: int | None = None
+    max_model_len: int = 131072
+
+
+@dataclass
+class Job:
+    """One parsed generation request and its planned outcome (the front end decides the length up front)."""
+
+    chat: bool
+    stream: bool
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    n_out: int
+    finish_reason: str
+    include_usage: bool
+    t_arrival: float
+    created: int
+    index: int = -1
+
+
+def count_prompt(body: dict[str, Any], chat: bool) -> int:
+    """Prompt tokens of a completions (``prompt``) or chat (``messages``) body; one token per word."""
+    if chat:
+        return _count_messages(body.get("messages"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return len(prompt)  # token ids
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise BadRequest(400, "prompt must be a string or a list of one string (batched prompts unsupported)")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise BadRequest(400, "prompt must be a string")
+    return len(prompt.split())
+
+
+def _count_messages(messages: Any) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "messages must be a non-empty list")
+    n = 0
+    for m in messages:
+        if not isinstance(m, dict):
+            raise BadRequest(400, "each message must be an object")
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content.split())
+        elif isinstance(content, list):  # OpenAI content parts: count the text ones
+            n += sum(len(str(p.get("text", "")).split()) for p in content if isinstance(p, dict))
+        elif content is not None:
+            raise BadRequest(400, "message content must be a string")
+    return n
+
+
+def _int_field(body: dict[str, Any], key: str, default: int | None) -> int | None:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(400, f"{key} must be an integer")
+    return v
+
+
+def parse_job(cfg: ApiConfig, body: Any, chat: bool, t_arrival: float) -> Job:
+    """Validate like vLLM and decide the output length and finish reason up front; raises :class:`BadRequest`."""
+    if not isinstance(body, dict):
+        raise BadRequest(400, "request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != cfg.model_name:
+        raise BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError")
+    if body.get("n", 1) != 1:
+        raise BadRequest(400, "n > 1 is not supported by the fake server")
+    prompt_tokens = count_prompt(body, chat)
+    max_tokens = _int_field(body, "max_completion_tokens" if chat and "max_tokens" not in body else "max_tokens", 16)
+    assert max_tokens is not None
+    if max_tokens < 1:
+        raise BadRequest(400, f"max_tokens must be at least 1, got {max_tokens}.")
+    min_tokens = _int_field(body, "min_tokens", 0) or 0
+    if min_tokens < 0 or min_tokens > max_tokens:
+        raise BadRequest(400, f"min_tokens must be in [0, max_tokens], got {min_tokens}")
+    if prompt_tokens + max_tokens > cfg.max_model_len:
+        raise BadRequest(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+                              f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                              f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                              f"completion.")
+    n_out, finish = max_tokens, "length"
+    if cfg.eos_after is not None and not body.get("ignore_eos", False):
+        eos_at = max(cfg.eos_after, min_tokens, 1)
+        if eos_at < max_tokens:
+            n_out, finish = eos_at, "stop"
+    opts = body.get("stream_options")
+    include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+    return Job(chat=chat, stream=bool(body.get("stream", False)), model=cfg.model_name, prompt_tokens=prompt_tokens,
+               max_tokens=max_tokens, n_out=n_out, finish_reason=finish, include_usage=include_usage,
+               t_arrival=t_arrival, created=int(time.time()))
+
+
+# ------------------------------------------------------------------------------------------- generated text
+
+_WORDS: list[str] = []
+
+
+def token_text(i: int) -> str:
+    """Text of output token ``i``: one whitespace-delimited word, so the fake tokenizer counts it as one."""
+    while len(_WORDS) <= i:
+        _WORDS.extend(f"w{k} " for k in range(len(_WORDS), max(2 * len(_WORDS), 1024)))
+    return _WORDS[i]
+
+
+def tokens_text(start: int, stop: int) -> str:
+    """Text of output tokens ``start`` … ``stop - 1``."""
+    return "".join(token_text(i) for i in range(start, stop))
+
+
+def usage_block(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def response_id(job: Job) -> str:
+    return ("chatcmpl-fake" if job.chat else "cmpl-fake") + f"{job.index:024d}"
+
+
+def completion_body(job: Job, n_out: int) -> dict[str, Any]:
+    """The whole (non-streaming) response of a request that produced ``n_out`` tokens."""
+    text = tokens_text(0, n_out)
+    if job.chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": job.finish_reason, "stop_reason": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": job.finish_reason,
+                  "stop_reason": None}
+        obj = "text_completion"
+    return {"id": response_id(job), "object": obj, "created": job.created, "model": job.model, "choices": [choice],
+            "usage": usage_block(job.prompt_tokens, n_out)}
+
+
+# --------------------------------------------------------------------------------------------------- SSE frames
+
+DONE = b"data: [DONE]\n\n"
+
+
+class SseFrames:
+    """Byte templates for one request's SSE events: only the token text and finish reason are spliced in, so a
+    stream of thousands of events costs one ``join`` each."""
+
+    def __init__(self, job: Job) -> None:
+        model = json.dumps(job.model)
+        obj = "chat.completion.chunk" if job.chat else "text_completion"
+        head = f'{{"id":"{response_id(job)}","object":"{obj}","created":{job.created},"model":{model},'
+        self.head = head
+        if job.chat:
+            self.pre = f'data: {head}"choices":[{{"index":0,"delta":{{"content":"'.encode()
+            self.mid = b'"},"logprobs":null,"finish_reason":'
+        else:
+            self.pre = f'data: {head}"choices":[{{"index":0,"text":"'.encode()
+            self.mid = b'","logprobs":null,"finish_reason":'
+        self.post = b"}]}\n\n"
+
+    def chunk(self, text: str, finish: str | None) -> bytes:
+        fr = b"null" if finish is None else b'"' + finish.encode() + b'"'
+        return b"".join((self.pre, text.encode(), self.mid, fr, self.post))
+
+    def role(self) -> bytes:
+        """The chat stream's first event: the assistant role, no content."""
+        return (f'data: {self.head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
+                f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
+
+    def usage(self, job: Job, completion_tokens: int) -> bytes:
+        u = usage_block(job.prompt_tokens, completion_tokens)
+        return f'data: {self.head}"choices":[],"usage":{json.dumps(u, separators=(",", ":"))}}}\n\n'.encode()
+
+
+def error_body(status: int, message: str, err_type: str) -> dict[str, Any]:
+    """OpenAI-style error JSON, as vLLM sends it."""
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}

@@ -1,0 +1,60 @@
+"""The seam between a replica and its engine's scheduling rules: what the replica asks, what a policy answers.
+
+Why a seam: a replica's mechanics (KV blocks, copies to tiers, timing a step or a decode span with the cost
+model) are the same whatever the engine; what differs between engines is who runs, who is admitted and who
+is preempted. A :class:`SchedulingPolicy` makes those decisions and only those, so another engine profile
+(e.g. fixed slots) is a new class beside :class:`kvcap.sim.policy_vllm.VllmPolicy`, not an edit of it.
+
+A policy keeps no state of its own: everything it reads or changes lives on the replica (queues, counters)
+and its :class:`~kvcap.sim.kv.BlockPool`, so one instance can serve every replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from kvcap.sim.request import SimRequest
+
+if TYPE_CHECKING:
+    from kvcap.sim.replica import Replica
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step's work as a policy chose it. Every request in it is on the replica's running list."""
+
+    decoders: list[SimRequest] = field(default_factory=list)
+    """Requests that sample one token this step."""
+    prefills: list[tuple[SimRequest, int]] = field(default_factory=list)
+    """(request, prompt tokens computed this step): prefill chunks and recomputations."""
+    reserved: dict[int, int] = field(default_factory=dict)
+    """rid → HBM blocks taken for this step (a span cut short gives back what it did not fill)."""
+
+
+class SchedulingPolicy(Protocol):
+    """The decisions a replica asks its engine for. Each method may change the replica's queues through its
+    public operations (``preempt``, ``swap_in``, ``load_prefix``, ``park``, ``commit``) and its block pool."""
+
+    def rejects(self, rep: Replica, req: SimRequest) -> bool:
+        """On arrival: is this request refused outright (HTTP 4xx) — it could never run on this replica?"""
+        ...
+
+    def next_batch(self, rep: Replica, now: float) -> Batch:
+        """What runs next step: which running requests continue (preempting others if they must), which
+        parked ones come back, which waiting ones are admitted. If a preemption leaves the replica stalled
+        (a copy out in flight), the policy gives back what it reserved and returns an empty batch."""
+        ...
+
+    def should_cut_span(self, rep: Replica) -> bool:
+        """Mid decode span (an arrival, a finished copy): would something new run at the next step boundary?"""
+        ...
+
+    def admits_after_one_step(self, rep: Replica) -> bool:
+        """Before a pure-decode span: could something be admitted after just one step? (Then the span is one
+        step long; otherwise it runs until the first request finishes or a block runs out.)"""
+        ...
+
+    def on_prefilled(self, rep: Replica, completed: list[SimRequest], now: float) -> None:
+        """These requests' prompts (or recomputations) completed in the step that just ended."""
+        ...

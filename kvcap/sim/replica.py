@@ -1,0 +1,391 @@
+"""One serving-engine replica: its queues and counters, the steps it runs and the KV copies it makes.
+
+Why apart from the scheduling rules: what a replica *does* is the same for every engine profile — run the
+batch its :class:`~kvcap.sim.policy.SchedulingPolicy` chose, time it with the cost model, hand out tokens,
+finish requests, copy KV to and from a tier — while who runs is the policy's call. The replica asks its
+policy at each decision point and carries the decision out.
+
+Decoding KV always lives in HBM: a parked sequence does not decode. A preempted request loses its KV and
+recomputes it later, or, with an offload tier, has it copied out (the replica waits for that copy, as vLLM's
+swap did) and copied back before it decodes again — the copy back is on that request's critical path, never
+on the replica's.
+
+Speed: when the batch is pure decode and the policy would admit nothing, the replica runs as many steps as it
+can until the first request finishes or a block runs out, in one event, timed in closed form by the cost
+model (one numpy vector of step times); an arrival or a finished copy cuts such a span at the next step
+boundary.
+
+Prefix caching (requests that carry ``hash_ids``): a finished prefill's full hash blocks become shared HBM
+prefix blocks; with an offload tier they are also written to it (asynchronously), and a request whose prefix
+misses HBM but hits the tier loads it over the link instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvcap.sim.batch_shape import BatchShape
+from kvcap.sim.cost import CostModel
+from kvcap.sim.kv import BlockPool, Tier
+from kvcap.sim.links import Link
+from kvcap.sim.policy import Batch, SchedulingPolicy
+from kvcap.sim.request import SimRequest
+
+if TYPE_CHECKING:
+    from kvcap.sim.engine import Simulation
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What a replica is: its KV pool, batch limits, cost model, policy, and the tiers/links it may offload over."""
+
+    blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+    cost: CostModel
+    kv_bytes_per_token: float
+    """Whole replica (every layer, every tp rank): the bytes a copy of one token's KV moves."""
+    hash_block_tokens: int
+    prefix_caching: bool
+    park_after_prefill: bool
+    """Offload admission ``tiers``: admit past HBM — prefill, emit the first token, park the KV in a tier until a
+    decode slot (HBM room for the whole sequence) frees up. ``hbm``: vLLM's rule (tiers hold preempted KV only)."""
+    node: int
+    host_link: Link | None
+    nic_links: tuple[Link, ...]
+    policy: SchedulingPolicy
+    """The engine's scheduling rules (:class:`kvcap.sim.policy_vllm.VllmPolicy` for vLLM)."""
+    max_model_len: int | None = None
+    """Longest prompt + output the engine accepts (the model's context); longer requests get a 400."""
+    blocks_for: Callable[[int], int] | None = None
+    """Blocks a sequence of T tokens needs (None: ceil(T / block_size), full-attention models)."""
+
+
+@dataclass(slots=True)
+class Span:
+    """What a replica is computing now: one mixed step, or k pure-decode steps."""
+
+    t0: float
+    ends: np.ndarray
+    """Absolute end time of each step."""
+    decoders: list[SimRequest]
+    prefills: list[tuple[SimRequest, int]]
+    reserved: dict[int, int]
+    """rid → blocks reserved for the planned steps (a cut span gives the excess back)."""
+
+
+class Replica:
+    """One serving-engine instance (tp × pp GPUs) with its queues, KV pool and counters."""
+
+    def __init__(self, index: int, cfg: ReplicaConfig, sim: Simulation):
+        self.index, self.cfg, self.sim = index, cfg, sim
+        self.policy = cfg.policy
+        self.hbm = BlockPool(cfg.blocks, cfg.block_size, cfg.hash_block_tokens, cfg.blocks_for)
+        self.running: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
+        self.parked: list[tuple[float, int, SimRequest]] = []
+        self.moving = 0
+        """Requests in a copy (swap out/in, prefix load): held, not decoding."""
+        self.incoming = 0
+        """Requests whose KV is being copied into HBM (swap-in, prefix load): they hold a running slot."""
+        self.stalled = 0
+        """Swap-outs the replica waits for before its next step."""
+        self.span: Span | None = None
+        self.version = 0
+        self.preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.busy_done = 0.0
+        self.committed = 0
+        """HBM blocks promised to committed decoders at their full length (offload admission ``tiers``)."""
+        self.parking = cfg.park_after_prefill
+        self.running_peak = 0
+
+    # ------------------------------------------------------------------ what others read
+    def kv_usage(self) -> float:
+        return self.hbm.usage()
+
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting) + len(self.parked) + self.moving
+
+    def busy_at(self, t: float) -> float:
+        """GPU-busy seconds up to ``t`` (a span in progress counts up to ``t``)."""
+        span = self.span
+        if span is None:
+            return self.busy_done
+        return self.busy_done + min(max(t - span.t0, 0.0), float(span.ends[-1] - span.t0))
+
+    # ------------------------------------------------------------------ arrivals and interrupts
+    def enqueue(self, req: SimRequest, now: float) -> None:
+        req.replica, req.state = self.index, "waiting"
+        if self.policy.rejects(self, req):
+            req.error = "http_4xx"
+            self.sim.finish(req, now)
+            return
+        self.waiting.append(req)
+        self.poke(now)
+
+    def abort(self, req: SimRequest, now: float) -> bool:
+        """The client left: drop a waiting or running request (others finish their copy first)."""
+        if req.state == "waiting" and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.state == "running" and req in self.running and (self.span is None or (
+                req not in self.span.decoders and all(r is not req for r, _ in self.span.prefills))):
+            self.running.remove(req)
+            self.hbm.release(req)
+            if req.committed:
+                self.uncommit(req)
+        else:
+            return False
+        req.error = "cancelled"
+        req.state = "done"
+        return True
+
+    def poke(self, now: float, force: bool = False) -> None:
+        """Something changed (arrival, a copy finished): start a step if idle, else cut a decode span short."""
+        if self.stalled:
+            return
+        if self.span is None:
+            self.schedule(now)
+            return
+        ends = self.span.ends
+        if ends.size <= 1 or not (force or self.policy.should_cut_span(self)):
+            return
+        j = int(np.searchsorted(ends, now, side="left"))
+        if j >= ends.size - 1:
+            return
+        self._cut(j + 1)
+
+    def _cut(self, k: int) -> None:
+        """Keep the first k steps of the current decode span."""
+        span = self.span
+        assert span is not None
+        span.ends = span.ends[:k]
+        self.hbm.return_unused(span.decoders, k, span.reserved)
+        self.version += 1
+        self.sim.push(float(span.ends[-1]), "step", self, self.version)
+
+    # ------------------------------------------------------------------ a step (or span) starts
+    def schedule(self, now: float) -> None:
+        """Ask the policy for the next batch and start it (nothing while a step runs or a swap-out is out)."""
+        if self.stalled or self.span is not None:
+            return
+        batch = self.policy.next_batch(self, now)
+        if self.stalled:
+            return
+        self.running_peak = max(self.running_peak, len(self.running))
+        if not batch.decoders and not batch.prefills:
+            return
+        self._start(now, batch)
+
+    def _start(self, now: float, batch: Batch) -> None:
+        cost = self.cfg.cost
+        window = cost.model.sliding_window
+        decoders, prefills, reserved = batch.decoders, batch.prefills, batch.reserved
+        if prefills:
+            shape = BatchShape.of(prefill=[(c, r.kv) for r, c in prefills], decode=[r.kv for r in decoders],
+                                  window=window)
+            ends = np.asarray([now + cost.iteration_time(shape).total_s])
+        else:
+            k = min(r.max_out - r.out for r in decoders)
+            if self.policy.admits_after_one_step(self):
+                k = 1  # something could be admitted next step (blocks free up only at a finish)
+            if self.sim.max_span is not None:
+                k = min(k, self.sim.max_span)
+            k = self.hbm.reserve_decode_steps(decoders, k, reserved)
+            shape = BatchShape.of(decode=[r.kv for r in decoders], window=window)
+            ends = now + np.cumsum(cost.decode_step_times(shape, k))
+        self.span = Span(t0=now, ends=ends, decoders=decoders, prefills=prefills, reserved=reserved)
+        self.version += 1
+        self.sim.push(float(ends[-1]), "step", self, self.version)
+
+    # ------------------------------------------------------------------ a step (or span) ends
+    def on_step(self, now: float) -> None:
+        span = self.span
+        assert span is not None
+        self.span = None
+        self.busy_done += float(span.ends[-1] - span.t0)
+        completed = self._emit_tokens(span, now)
+        done = [r for r in self.running if r.out >= r.max_out]
+        for req in done:
+            self.running.remove(req)
+            self.hbm.release(req)
+            if req.committed:
+                self.uncommit(req)
+            self.sim.finish(req, now)
+        if completed:
+            self.policy.on_prefilled(self, completed, now)
+        self.schedule(now)
+
+    def _emit_tokens(self, span: Span, now: float) -> list[SimRequest]:
+        """Credit the span's tokens: decoders get one per step; a prefill that reached its target samples its
+        next token. Returns the requests whose prefill (or recomputation) completed."""
+        k = span.ends.size
+        on_tokens = self.sim.on_tokens
+        gen = 0
+        for req in span.decoders:
+            req.kv += k
+            req.out += k
+            req.chunks.append(span.ends if k > 1 else float(span.ends[0]))
+            req.t_last = float(span.ends[-1])
+            gen += k
+            if on_tokens is not None:
+                on_tokens(req)
+        completed: list[SimRequest] = []
+        for req, chunk in span.prefills:
+            req.kv += chunk
+            self.prompt_tokens += chunk
+            if req.kv >= req.target:
+                completed.append(req)
+                req.out += 1
+                gen += 1
+                t = float(span.ends[-1])
+                if req.t_first is None:
+                    req.t_first = t
+                    self._register_prefix(req, now)
+                req.chunks.append(t)
+                req.t_last = t
+                if on_tokens is not None:
+                    on_tokens(req)
+        self.generation_tokens += gen
+        return completed
+
+    # ------------------------------------------------------------------ decode promises (offload admission "tiers")
+    def commit(self, req: SimRequest) -> None:
+        """Promise the request HBM room for its whole sequence."""
+        req.committed = self.hbm.final_blocks(req)
+        self.committed += req.committed
+
+    def uncommit(self, req: SimRequest) -> None:
+        self.committed -= req.committed
+        req.committed = 0
+
+    # ------------------------------------------------------------------ KV copies
+    def preempt(self, victim: SimRequest, now: float) -> None:
+        """Take a running request off: its KV is copied out to a tier with room (the replica stalls until the
+        copy is out), else dropped — it waits at the head of the queue to be recomputed."""
+        self.running.remove(victim)
+        if victim.committed:
+            self.uncommit(victim)
+        victim.preemptions += 1
+        self.preemptions += 1
+        tier, lanes, caps = (self.sim.tier_for(self, victim.kv * self.cfg.kv_bytes_per_token)
+                             if victim.out and self.sim.tiers_enabled else (None, [], []))
+        if tier is not None:
+            nbytes = victim.kv * self.cfg.kv_bytes_per_token
+            victim.state, victim.tier, victim.tier_bytes = "swap_out", tier.name, nbytes
+            self.stalled += 1
+            self.moving += 1
+
+            def done(t: float, v: SimRequest = victim, t0: float = now) -> None:
+                v.copy_s += t - t0
+                self.stalled -= 1
+                self.moving -= 1
+                self.hbm.release(v)  # HBM blocks are reusable once the copy is out
+                v.state, v.t_parked = "parked", t
+                heapq.heappush(self.parked, (v.arrival, v.rid, v))
+                if not self.stalled:
+                    self.schedule(t)
+
+            self.sim.start_copy(now, nbytes, lanes, caps, outbound=True, on_done=done)
+            return
+        victim.recomputed += victim.kv
+        self.hbm.release(victim)
+        victim.kv = 0
+        victim.state = "waiting"
+        self.waiting.appendleft(victim)
+
+    def park(self, req: SimRequest, now: float) -> bool:
+        """Copy a just-prefilled request's KV out to a tier (its blocks are freed when the copy is through);
+        False if no tier has room."""
+        nbytes = req.kv * self.cfg.kv_bytes_per_token
+        tier, lanes, caps = self.sim.tier_for(self, nbytes)
+        if tier is None:
+            return False
+        self.running.remove(req)
+        req.state, req.tier, req.tier_bytes = "swap_out", tier.name, nbytes
+        self.moving += 1
+
+        def done(t: float, r: SimRequest = req, t0: float = now) -> None:
+            r.copy_s += t - t0
+            self.moving -= 1
+            self.hbm.release(r)
+            r.state, r.t_parked = "parked", t
+            heapq.heappush(self.parked, (r.arrival, r.rid, r))
+            self.poke(t, force=True)
+
+        self.sim.start_copy(now, nbytes, lanes, caps, outbound=True, on_done=done)
+        return True
+
+    def swap_in(self, req: SimRequest, now: float) -> None:
+        """Copy a parked request's KV back into HBM (its blocks are taken); it runs again when it is in."""
+        tier = self.sim.tier_by_name(self, req.tier)
+        _, lanes, caps = self.sim.tier_for(self, 0.0, name=req.tier, reserve=False)
+        req.state = "swap_in"
+        self.moving += 1
+        self.incoming += 1
+
+        def done(t: float, r: SimRequest = req, tr: Tier | None = tier, t0: float = now) -> None:
+            r.copy_s += t - t0
+            self.moving -= 1
+            self.incoming -= 1
+            if tr is not None:
+                tr.release(r.tier_bytes)
+            r.parked_s += t - r.t_parked
+            r.state, r.tier, r.tier_bytes = "running", None, 0.0
+            self.running.append(r)
+            self.poke(t, force=True)
+
+        self.sim.start_copy(now, req.tier_bytes, lanes, caps, outbound=False, on_done=done)
+
+    # ------------------------------------------------------------------ prefixes in the tier
+    def tier_prefix_tokens(self, req: SimRequest) -> int:
+        """Tokens of the prefix after the HBM hit that the offload tier holds (loaded instead of recomputed)."""
+        hbt = self.cfg.hash_block_tokens
+        if not (req.hashes and hbt and self.cfg.prefix_caching and self.sim.tiers_enabled):
+            return 0
+        start = len(req.shared)
+        n = 0
+        for h in req.hashes[start: req.prompt // hbt]:
+            if not self.sim.tier_has_prefix(self, h):
+                break
+            n += 1
+        return min(n * hbt, req.prompt - 1 - req.kv)
+
+    def load_prefix(self, req: SimRequest, tokens: int, now: float) -> None:
+        """Copy ``tokens`` of an admitted request's prefix from the tier (its blocks are taken); it runs when in."""
+        nbytes = tokens * self.cfg.kv_bytes_per_token
+        name = self.sim.prefix_tier_name(self)
+        _, lanes, caps = self.sim.tier_for(self, 0.0, name=name, reserve=False)
+        req.state = "loading"
+        self.moving += 1
+        self.incoming += 1
+
+        def done(t: float, r: SimRequest = req, n: int = tokens, t0: float = now) -> None:
+            r.copy_s += t - t0
+            self.moving -= 1
+            self.incoming -= 1
+            r.kv += n
+            r.hit_tier = n
+            r.state = "running"
+            self.running.append(r)
+            self.poke(t, force=True)
+
+        self.sim.start_copy(now, nbytes, lanes, caps, outbound=False, on_done=done)
+
+    def _register_prefix(self, req: SimRequest, now: float) -> None:
+        """After a prefill: its full hash blocks become shared HBM prefix blocks (and go to the tier)."""
+        hbt = self.cfg.hash_block_tokens
+        if not (req.hashes and hbt and self.cfg.prefix_caching):
+            return
+        full = req.hashes[: req.prompt // hbt]
+        self.hbm.share_prefix(req, full)
+        self.sim.store_prefixes(self, full, hbt * self.cfg.kv_bytes_per_token, now)

@@ -1,0 +1,75 @@
+"""One simulated request's life: what it asked for, where its KV is, and the times its tokens came out.
+
+Why a module of its own: the replica, its KV accounting, every scheduling policy, the load driver (``run``)
+and serve-sim all read and write the same request record; keeping it apart lets each of them depend on it
+without depending on one another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(eq=False, slots=True)
+class SimRequest:
+    """One request's life in the simulator; times are seconds on the level's clock."""
+
+    rid: int
+    arrival: float
+    prompt: int
+    max_out: int
+    hashes: tuple[int, ...] = ()
+    tags: dict[str, Any] = field(default_factory=dict)
+    replica: int = -1
+    state: str = "new"
+    """waiting → running ⇄ (swap_out → parked → swap_in) … → done; loading while a tier prefix comes in."""
+    kv: int = 0
+    """Tokens whose KV is in HBM."""
+    out: int = 0
+    """Output tokens generated."""
+    blocks: int = 0
+    """Private HBM blocks held (shared prefix blocks are counted by the replica's prefix cache)."""
+    shared: tuple[int, ...] = ()
+    """Hash ids whose HBM blocks this request references."""
+    t_sched: float | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+    chunks: list[Any] = field(default_factory=list)
+    """Token times: floats (single steps) and numpy vectors (decode spans), in order."""
+    preemptions: int = 0
+    recomputed: int = 0
+    t_parked: float = 0.0
+    parked_s: float = 0.0
+    copy_s: float = 0.0
+    """Seconds this request's KV spent on a link (copies out and back in): the transfer part of its latency."""
+    tier: str | None = None
+    tier_bytes: float = 0.0
+    hit_hbm: int = 0
+    hit_tier: int = 0
+    committed: int = 0
+    """HBM blocks promised to this decoder for its whole length (offload admission ``tiers``)."""
+    error: str | None = None
+
+    @property
+    def target(self) -> int:
+        """Tokens whose KV must exist before the next token can be sampled."""
+        return self.prompt + self.out if self.out else self.prompt
+
+    def token_times(self) -> np.ndarray:
+        """Every output token's time, in order, as one vector."""
+        parts: list[np.ndarray] = []
+        singles: list[float] = []
+        for c in self.chunks:
+            if type(c) is float:
+                singles.append(c)
+                continue
+            if singles:
+                parts.append(np.array(singles))
+                singles = []
+            parts.append(c)
+        if singles:
+            parts.append(np.array(singles))
+        return np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.zeros(0))

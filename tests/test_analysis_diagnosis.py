@@ -1,0 +1,122 @@
+"""Each diagnosis on the evidence that should trigger it, and not on evidence that should not.
+
+Levels are hand-made summaries (p50 TTFT/TPOT in ms, optional server telemetry); the thresholds are the
+module's: TPOT flat within ×1.15, growing from ×1.30, queueing when TTFT exceeds 2·TTFT₀ + 5·TPOT₀ or the
+server has ≥ 0.5 requests waiting, KV full from 90%, a link busy from 80%, a client lagging below 0.85.
+"""
+
+from __future__ import annotations
+
+from kvcap.analysis.diagnosis import diagnose
+
+
+def lv(c: float, ttft: float | None, tpot: float | None, ok: int = 100, **extra) -> dict:
+    return {"level": c, "ok": ok, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot}, **extra}
+
+
+def run(*levels: dict, arm: str = "control") -> list[dict]:
+    return diagnose({"levels": list(levels)}, arm)
+
+
+def bounds(findings: list[dict]) -> list[str]:
+    return [f["bound"] for f in findings]
+
+
+def test_kv_capacity_from_client_latencies():
+    # TTFT jumps past 2·100 + 5·20 = 300 ms at c=16 while TPOT stays within ×1.15
+    f = run(lv(1, 100.0, 20.0), lv(8, 150.0, 21.0), lv(16, 900.0, 22.0))
+    assert bounds(f) == ["kv_capacity"] and f[0]["arm"] == "control"
+    assert f[0]["evidence"] == ("from c=16 requests queue (TTFT p50 900 ms vs 100 ms at c=1) while TPOT p50 stays "
+                                "20.0 → 22.0 ms (×1.10) from c=1 to c=16")
+    assert "more KV memory" in f[0]["direction"]
+
+
+def test_kv_capacity_from_the_server_queue():
+    f = run(lv(1, 100.0, 20.0), lv(8, 110.0, 20.0, server_waiting_mean=2.0), lv(16, 120.0, 21.0))
+    assert bounds(f) == ["kv_capacity"]
+    assert f[0]["evidence"].startswith("from c=8 requests queue (server waiting 2.0 on average)")
+
+
+def test_no_kv_capacity_when_tpot_grows_too():
+    f = run(lv(1, 100.0, 20.0), lv(16, 900.0, 30.0))        # queueing, but TPOT ×1.5: the GPU is busy
+    assert "kv_capacity" not in bounds(f) and bounds(f) == ["compute"]
+
+
+def test_compute_bound():
+    f = run(lv(1, 100.0, 20.0, server_running_max=1.0),
+            lv(16, 120.0, 30.0, server_running_max=16.0, gpu_util_mean=0.95, kv_usage_max=0.4))
+    assert bounds(f) == ["compute"]
+    assert f[0]["evidence"] == ("TPOT p50 grows 20.0 → 30.0 ms (×1.50) from c=1 to c=16 with 16 requests running; "
+                                "TTFT p50 100 → 120 ms; GPU utilisation 95% with the KV cache 40% full")
+    assert "more memory won't" in f[0]["direction"]
+
+
+def test_compute_needs_tpot_growth_of_thirty_percent():
+    assert bounds(run(lv(1, 100.0, 20.0), lv(16, 120.0, 25.0))) == ["none_seen"]    # ×1.25
+    assert bounds(run(lv(1, 100.0, 20.0), lv(16, 120.0, 26.0))) == ["compute"]      # ×1.30
+
+
+def test_nothing_seen_asks_for_more_load():
+    f = run(lv(1, 100.0, 20.0), lv(16, 150.0, 21.0))
+    assert bounds(f) == ["none_seen"]
+    assert f[0]["evidence"] == "TPOT p50 20.0 → 21.0 ms, no queueing seen up to c=16"
+
+
+def test_kv_full_with_requests_waiting():
+    f = run(lv(48, 200.0, 20.0, kv_usage_max=0.7),
+            lv(64, 2900.0, 25.0, kv_usage_max=0.99, server_waiting_mean=3.0, server_running_max=60.0),
+            lv(96, 5000.0, 30.0, kv_usage_max=0.99, server_waiting_mean=30.0))
+    assert bounds(f) == ["kv_capacity"]                     # not "compute", although TPOT grows ×1.5
+    assert f[0]["evidence"] == ("from c=64 the KV cache is 99% full with 3.0 requests waiting; at most 60 run "
+                                "(decode) at once; TPOT p50 20.0 → 30.0 ms from c=48 to c=96")
+    assert f[0]["direction"].startswith("VRAM for KV binds")
+
+
+def test_kv_full_with_requests_parked_in_a_lower_tier():
+    f = run(lv(48, 200.0, 20.0), lv(96, 1100.0, 113.0, kv_usage_max=0.99, server_parked_mean=36.0))
+    assert bounds(f) == ["kv_capacity"]
+    assert "and 36.0 parked in a lower tier" in f[0]["evidence"]
+    assert f[0]["direction"].startswith("the offload tier holds the extra requests but only HBM-resident ones")
+
+
+def test_kv_not_full_without_anyone_waiting():
+    f = run(lv(1, 100.0, 20.0), lv(16, 110.0, 20.0, kv_usage_max=0.95, server_waiting_mean=0.4))
+    assert bounds(f) == ["none_seen"]
+    f = run(lv(1, 100.0, 20.0), lv(16, 110.0, 20.0, kv_usage_max=0.89, server_waiting_mean=5.0))
+    assert bounds(f) == ["kv_capacity"] and "KV cache" not in f[0]["evidence"]   # the queue, not a full cache
+
+
+def test_client_limited():
+    warned = run(lv(1, 100.0, 20.0, client_warnings=["event loop lagged"]), lv(16, 110.0, 20.0))
+    assert bounds(warned) == ["client"] and warned[0]["evidence"] == "event loop lagged"   # not "none_seen"
+    lagging = run(lv(1, 100.0, 20.0),
+                  lv(8, 110.0, 20.0, littles_law={"in_flight": 4.0, "ratio_to_concurrency": 0.5}))
+    assert lagging[0]["bound"] == "client" and lagging[0]["evidence"] == "in flight 4.0 at c=8 (ratio 0.50)"
+    fine = run(lv(1, 100.0, 20.0), lv(8, 110.0, 20.0, littles_law={"in_flight": 7.2, "ratio_to_concurrency": 0.9}))
+    assert "client" not in bounds(fine)
+
+
+def test_interconnect():
+    f = run(lv(1, 100.0, 20.0), lv(16, 110.0, 20.0, link_util_max=0.85))
+    assert bounds(f) == ["interconnect"] and f[0]["evidence"] == "link utilisation up to 85%"
+    assert "interconnect" not in bounds(run(lv(1, 100.0, 20.0), lv(16, 110.0, 20.0, link_util_max=0.79)))
+
+
+def test_imbalance():
+    hot = {"metric": "gpu_util_mean", "hot": "node0", "hot_value": 0.95, "cold": "node1", "cold_value": 0.3}
+    f = run(lv(1, 100.0, 20.0), lv(16, 110.0, 20.0, imbalance=hot))
+    assert bounds(f) == ["imbalance"]
+    assert f[0]["evidence"] == "at c=16 node node0 has gpu_util_mean 95% while node node1 has 30%"
+
+
+def test_one_level_says_only_what_telemetry_shows():
+    assert run(lv(8, 100.0, 20.0)) == []
+    assert bounds(run(lv(8, 100.0, 20.0, link_util_max=0.9))) == ["interconnect"]
+    # levels that completed nothing do not count as levels
+    assert run(lv(1, 100.0, 20.0), lv(16, None, None, ok=0)) == []
+    assert diagnose({}) == []
+
+
+def test_arm_label_on_every_finding():
+    f = diagnose({"levels": [lv(1, 100.0, 20.0), lv(16, 110.0, 20.0, link_util_max=0.9)]}, "treatment")
+    assert {x["arm"] for x in f} == {"treatment"}
