@@ -23,7 +23,7 @@ from kvcap.loadgen.bench import BenchConfig, run_bench
 from kvcap.loadgen.client import Target
 from kvcap.loadgen.runner import Progress
 from kvcap.rundir import MANIFEST, write_json_atomic
-from kvcap.specs.fields import validation_message
+from kvcap.specs.fields import validate, validation_message
 from kvcap.specs.load import LoadSpec, WorkloadSpec
 from kvcap.specs.scenario import read_yaml
 from kvcap.units import parse_duration
@@ -76,11 +76,7 @@ class Experiment(BaseModel):
 
 
 def load_experiment(path: str) -> Experiment:
-    data = read_yaml(path, "experiment")
-    try:
-        exp = Experiment.model_validate(data)
-    except ValidationError as exc:
-        raise InputError(validation_message(exc, path)) from None
+    exp = validate(Experiment, read_yaml(path, "experiment"), path)
     if bool(exp.load.concurrency) == bool(exp.load.rate):
         raise InputError(f"{path}: load needs exactly one of concurrency or rate")
     return exp

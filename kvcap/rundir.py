@@ -80,8 +80,8 @@ class RequestRecord(_RecordCore, total=False):
     tier_hit_tokens: int
 
 
-RECORD_FIELDS: frozenset[str] = frozenset(RequestRecord.__annotations__)
-REQUIRED_RECORD_FIELDS: frozenset[str] = frozenset(_RecordCore.__annotations__)
+REQUIRED_RECORD_FIELDS: frozenset[str] = RequestRecord.__required_keys__
+RECORD_FIELDS: frozenset[str] = RequestRecord.__required_keys__ | RequestRecord.__optional_keys__
 
 
 def tpot_ms(ttft_ms: float | None, e2e_ms: float | None, output_tokens: int) -> float | None:

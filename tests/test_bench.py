@@ -65,7 +65,10 @@ def _truth_sweep(fixed_server, out, api) -> None:
         assert lv["e2e_ms"]["p50"] == pytest.approx(50 + 23 * 20, abs=2.5 + c / 8 + 23 * 0.5)
         # steady state: each stream yields one token per 20 ms after a 50 ms start → 24 tokens per 510 ms
         assert lv["output_tok_s"] == pytest.approx(c * 24 / 0.510, rel=0.08)
+    from kvcap.rundir import RECORD_FIELDS, REQUIRED_RECORD_FIELDS
+
     recs = [r for r in RunDir(out).records() if r["ok"]]
+    assert all(REQUIRED_RECORD_FIELDS <= r.keys() <= RECORD_FIELDS for r in recs)  # the one record schema
     assert all(r["output_tokens"] == 24 and len(r["itl_ms"]) == 23 and r["tokens_source"] == "usage" for r in recs)
 
 

@@ -322,3 +322,14 @@ def test_the_same_scenario_and_seed_give_the_same_records_in_separate_processes(
         assert p.returncode == 0, p.stderr
         outs.append((out / "requests.jsonl").read_bytes())
     assert outs[0] == outs[1] and outs[0].count(b"\n") > 100
+
+
+def test_sim_records_follow_the_one_record_schema(tmp_path):
+    """``rundir.RequestRecord`` is the schema both builders are typed against: every key a sim record carries is
+    in it, and every required key is there (``tests/test_bench.py`` holds bench's records to the same)."""
+    from kvcap.rundir import RECORD_FIELDS, REQUIRED_RECORD_FIELDS
+
+    _, records = simulate(tmp_path, "schema", serving__kv_offload="remote", load__concurrency=[64])
+    assert records and "mode" in REQUIRED_RECORD_FIELDS and "replica" in RECORD_FIELDS - REQUIRED_RECORD_FIELDS
+    for r in records:
+        assert REQUIRED_RECORD_FIELDS <= r.keys() <= RECORD_FIELDS, set(r) ^ RECORD_FIELDS
