@@ -208,17 +208,17 @@ def run_sim_experiment(exp: SimExperiment, out: Path, overrides: dict[str, Any] 
     then the comparison (``compare.json``)."""
     from kvcap.analysis.verdict import compare
     from kvcap.sim.run import SimConfig, run_sim
-    from kvcap.specs.scenario import load_scenario
+    from kvcap.specs.scenario import load_scenario_noting
 
     out.mkdir(parents=True, exist_ok=True)
     under_test = sorted({*exp.arms[0].set, *exp.arms[1].set})
     shared = {**exp.set, **(overrides or {})}
-    scenarios = {arm.name: load_scenario(exp.scenario, {**shared, **arm.set}) for arm in exp.arms}
-    slo = parse_slo(scenarios[exp.arms[0].name].slo)
+    scenarios = {arm.name: load_scenario_noting(exp.scenario, {**shared, **arm.set}) for arm in exp.arms}
+    slo = parse_slo(scenarios[exp.arms[0].name][0].slo)
     for arm in exp.arms:
-        sc = scenarios[arm.name]
+        sc, notes = scenarios[arm.name]
         cfg = SimConfig(scenario=sc, plan=LoadPlan.from_spec(sc.load), out=out / arm.name, slo=slo, arm=arm.name,
-                        under_test=under_test, overwrite=True)
+                        under_test=under_test, overwrite=True, notes=notes)
         run_sim(cfg, progress=(lambda info, name=arm.name: progress(name, info)) if progress else None)
     result = compare(str(out / exp.arms[0].name), str(out / exp.arms[1].name), slo=slo)
     write_json_atomic(out / "compare.json", {k: v for k, v in result.items() if k != "summaries"})

@@ -119,6 +119,8 @@ class Manifest:
     experiment: str | None = None
     """The ``ab`` experiment this arm belongs to."""
     host: dict[str, Any] = field(default_factory=host_facts)
+    notes: list[str] = field(default_factory=list)
+    """Precedence decisions taken on the inputs (a file key an override replaced), stated, not silent."""
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"tool": "kvcap", "tool_version": __version__, "source": self.source, "arm": self.arm,
@@ -130,6 +132,8 @@ class Manifest:
         for key in ("header_names", "clock", "experiment"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
+        if self.notes:
+            d["notes"] = self.notes
         return d
 
 

@@ -15,6 +15,7 @@ from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.stats import check_slo, level_key, summarize_level
 from kvcap.analysis.telemetry import add, dedupe_sources, imbalance, node_figures, nodes, series, within
 from kvcap.rundir import RunDir
+from kvcap.specs.load import LIMIT_RULE
 
 
 def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str, Any]:
@@ -92,8 +93,27 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
     for mode in {lv["mode"] for lv in levels}:
         apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])
     summary = {"source": run.manifest.get("source"), "arm": run.manifest.get("arm"), "slo": slo,
-               "levels": levels, "capacity": capacities(levels, slo, resident_series, waiting)}
+               "limits": level_limits(run.manifest), "levels": levels,
+               "capacity": capacities(levels, slo, resident_series, waiting)}
     if parked:
         summary["capacity"]["resident_source"] = "telemetry:running+parked"
     summary["diagnosis"] = diagnose(summary, run.manifest.get("arm") or "run")
     return summary
+
+
+def level_limits(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What ended each level's measured window, as the run was asked (both limits: ``LIMIT_RULE``), and any
+    precedence taken on the inputs (``manifest.notes``) — so a count that stopped short is never a surprise."""
+    fixed = manifest.get("fixed") or {}
+    duration, requests = fixed.get("load.duration"), fixed.get("load.requests")
+    if duration is not None and requests is not None:
+        rule = LIMIT_RULE
+    elif requests is not None:
+        rule = "a level's measured window ends after load.requests requests"
+    elif duration is not None:
+        rule = "a level's measured window ends after load.duration"
+    else:
+        rule = "a level ends when its trace rows are sent"
+    if fixed.get("load.mode") == "trace" and (duration is not None or requests is not None):
+        rule = "the trace's rows are replayed; " + rule
+    return {"duration_s": duration, "requests": requests, "rule": rule, "notes": list(manifest.get("notes") or [])}

@@ -8,6 +8,7 @@ is also what `kvcap demo` runs.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,7 +69,7 @@ def cmd_ab(a: argparse.Namespace) -> int:
 def _real_experiment(path: str, sets: list[str] | None) -> Any:
     """The experiment file of two real arms, with --set applied and validated again."""
     from kvcap.experiment import Experiment, load_experiment
-    from kvcap.specs.scenario import apply_overrides, parse_set
+    from kvcap.specs.scenario import apply_overrides, parse_set, with_displaced
 
     exp = load_experiment(path)
     if sets:
@@ -76,8 +77,12 @@ def _real_experiment(path: str, sets: list[str] | None) -> Any:
 
         from kvcap.specs.fields import validation_message
 
+        data = exp.model_dump()
+        overrides, notes = with_displaced(data, parse_set(sets))
+        for note in notes:
+            print(f"kvcap ab: note: {note}", file=sys.stderr)
         try:
-            exp = Experiment.model_validate(apply_overrides(exp.model_dump(), parse_set(sets)))
+            exp = Experiment.model_validate(apply_overrides(data, overrides))
         except ValidationError as exc:
             raise InputError(validation_message(exc, "--set")) from None
     return exp

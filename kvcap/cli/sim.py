@@ -94,8 +94,6 @@ def _sim_overrides(a: argparse.Namespace) -> dict[str, Any]:
              "workload.input_tokens": a.input_tokens,
              "workload.output_tokens": a.output_tokens}
     out.update({k: v for k, v in flags.items() if v is not None})
-    if a.requests and not a.duration:
-        out["load.duration"] = None
     return out
 
 
@@ -104,16 +102,24 @@ def _sim_config(a: argparse.Namespace) -> Any:
 
     from kvcap.analysis.slo import parse_slo
     from kvcap.sim.run import SimConfig
-    from kvcap.specs.scenario import load_scenario
+    from kvcap.specs.scenario import load_scenario_noting
     from kvcap.workload.loadplan import LoadPlan
     from kvcap.workload.trace import read_trace
 
-    scenario = load_scenario(a.scenario, _sim_overrides(a))
+    overrides = _sim_overrides(a)
+    scenario, notes = load_scenario_noting(a.scenario, overrides)
     trace = read_trace(a.trace) if a.trace else ()
+    if trace and any(overrides.get(k) is not None for k in ("load.concurrency", "load.rate")):
+        raise InputError("--trace replays the trace's own arrivals: drop load.concurrency / load.rate from --set")
     plan = LoadPlan.from_spec(scenario.load, trace=trace, trace_speed=a.trace_speed)
+    if plan.mode != "rate" and overrides.get("load.arrival") is not None:
+        raise InputError(f"load.arrival applies to open-loop rates only; this run is {plan.mode} "
+                         f"({'the trace' if trace else 'load.concurrency'})")
+    for note in notes:
+        print(f"kvcap sim: note: {note}", file=sys.stderr)
     slo = parse_slo(a.slo) if a.slo else parse_slo(scenario.slo)
     return SimConfig(scenario=scenario, plan=plan, out=Path(a.out), slo=slo, arm=a.arm, overwrite=a.overwrite,
-                     record_itl=not a.no_itl, trace_file=a.trace)
+                     record_itl=not a.no_itl, trace_file=a.trace, notes=notes)
 
 
 def level_line(prefix: str = "") -> Callable[[dict[str, Any]], None]:

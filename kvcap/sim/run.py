@@ -48,6 +48,8 @@ class SimConfig:
     overwrite: bool = False
     record_itl: bool = True
     trace_file: str | None = None
+    notes: list[str] = field(default_factory=list)
+    """What the command line replaced in the scenario (``specs.load.displaced_by_overrides``), for the manifest."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -73,7 +75,7 @@ def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> Manifest:
               "kv_blocks_per_replica": p.kv_blocks_per_gpu, "kv_tokens_per_replica": p.kv_tokens_per_gpu,
               "resident_requests": p.resident_requests}
     return Manifest(source="sim", run_id=cfg.run_id, started_at=started, fixed=fixed, server=server, arm=cfg.arm,
-                    slo=cfg.slo, under_test=cfg.under_test, scenario=sc.name)
+                    slo=cfg.slo, under_test=cfg.under_test, scenario=sc.name, notes=cfg.notes)
 
 
 def _ms(t_s: float | None) -> float | None:

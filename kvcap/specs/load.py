@@ -4,6 +4,7 @@ means one thing with one default everywhere (``workload.LoadPlan.from_spec`` tur
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
@@ -13,6 +14,11 @@ from kvcap.specs.fields import Duration, OptionalDuration, Strict
 from kvcap.specs.lengths import LengthDist, parse_length
 
 DEFAULT_DURATION_S = 60.0
+LIMIT_RULE = "a level's measured window ends at whichever limit it reaches first: load.duration or load.requests"
+"""The one precedence between the two limits when both are set (the summary states it)."""
+COUNTERPARTS = {"requests": "duration", "duration": "requests", "concurrency": "rate", "rate": "concurrency"}
+"""Load keys that answer the same question (how long a level lasts; which load model): set on the command line,
+one replaces the other from the file, rather than both applying unseen."""
 
 
 def _length(v: Any) -> int | str:
@@ -94,9 +100,33 @@ class LoadSpec(Strict):
             raise InputError("load.duration must be positive")
         return v
 
+    @model_validator(mode="after")
+    def _one_load_model(self) -> LoadSpec:
+        if self.concurrency and self.rate:
+            raise InputError("load.concurrency and load.rate are both set: give one (closed loop or open loop)")
+        return self
+
     @property
     def measured_duration(self) -> float | None:
         """The measured window per level: as given; unset, none with a request count, else 60 s."""
         if self.duration is not None:
             return self.duration
         return None if self.requests else DEFAULT_DURATION_S
+
+
+def displaced_by_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, str]:
+    """The file's load keys that command-line overrides replace (``COUNTERPARTS``), each with a line saying so.
+
+    ``--set load.requests=100000`` on a scenario with ``load.duration: 60s`` means "run 100,000 requests", not
+    "whichever comes first"; setting both on the command line (or both in the file) keeps both (``LIMIT_RULE``)."""
+    load = data.get("load") if isinstance(data.get("load"), Mapping) else {}
+    out: dict[str, str] = {}
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        other = COUNTERPARTS.get(name)
+        if section != "load" or other is None or value is None or f"load.{other}" in overrides:
+            continue
+        if load.get(other) is not None:
+            out[f"load.{other}"] = (f"load.{other}={load[other]} from the file is replaced by load.{name}={value} "
+                                    f"from the command line")
+    return out

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from kvcap.errors import InputError
 from kvcap.specs.fields import Bandwidth, Duration, Fraction, Size, Strict, validation_message
-from kvcap.specs.load import LoadSpec, WorkloadSpec
+from kvcap.specs.load import LoadSpec, WorkloadSpec, displaced_by_overrides
 from kvcap.units import parse_size
 
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
@@ -192,5 +192,18 @@ def build_scenario(data: dict[str, Any], where: str = "scenario") -> Scenario:
 
 
 def load_scenario(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Scenario:
+    return load_scenario_noting(path, overrides)[0]
+
+
+def load_scenario_noting(path: str | Path | None,
+                         overrides: dict[str, Any] | None = None) -> tuple[Scenario, list[str]]:
+    """The scenario with overrides applied, and a line for each file key an override replaced (for the manifest)."""
     data = read_yaml(path) if path else {}
-    return build_scenario(apply_overrides(data, overrides or {}), where=str(path or "input"))
+    overrides, notes = with_displaced(data, overrides or {})
+    return build_scenario(apply_overrides(data, overrides), where=str(path or "input")), notes
+
+
+def with_displaced(data: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Overrides plus the file's load keys they replace (cleared), and why each was cleared."""
+    displaced = displaced_by_overrides(data, overrides)
+    return {**overrides, **dict.fromkeys(displaced)}, list(displaced.values())
