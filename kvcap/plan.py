@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from kvcap.errors import InputError
 from kvcap.specs.hardware import GpuSpec, LinkSpec, host_link_for, load_gpu, load_link
 from kvcap.specs.model import ModelSpec, load_model
-from kvcap.specs.scenario import Scenario
+from kvcap.specs.scenario import Scenario, ServingSpec
 from kvcap.units import bytes_s_to_gbps
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0,
@@ -127,6 +127,26 @@ class LinkBudget(BaseModel):
     """Time to stream the parked sequences' KV over the link once: what one decode step would wait."""
 
 
+class FitOption(BaseModel):
+    """A parallelism and weights dtype that fits on the plan's GPU, and what one replica of it then holds."""
+
+    weights_dtype: str
+    tp: int
+    pp: int
+    gpus: int
+    """GPUs per replica (tp × pp)."""
+    weights_bytes_per_gpu: float
+    usable_kv_bytes_per_gpu: float
+    kv_bytes_per_token_per_gpu: float
+    kv_tokens_per_replica: int
+    """Tokens the replica's KV pool holds (each GPU holds its share of every token, so per GPU = per replica)."""
+    requests_fit_per_replica: int
+    """Requests of the workload's length whose KV fits in HBM, before max_num_seqs caps them."""
+    requests_per_replica: int
+    replicas_on_cluster: int
+    """Whole replicas the scenario's GPUs make (0: the cluster has fewer GPUs than one replica needs)."""
+
+
 class PlanResult(BaseModel):
     model: str
     model_source: str
@@ -175,6 +195,10 @@ class PlanResult(BaseModel):
     in_flight_source: str | None = None
     link: dict[str, float | str] | None = None
     links: list[LinkBudget] = []
+    fits: bool = True
+    """Weights, activations, overhead and reserve fit on one GPU with KV room for at least one request."""
+    fit_problem: str | None = None
+    fit_options: list[FitOption] = []
     assumptions: list[str] = []
     warnings: list[str] = []
 
@@ -234,53 +258,135 @@ def resolve(scenario: Scenario, rate: float | None = None, response_time_s: floa
                       response_time_s=response_time_s, concurrency=concurrency)
 
 
-def plan(inputs: PlanInputs) -> PlanResult:
-    """Per-GPU and cluster capacity for the scenario; raises InputError when the model cannot fit."""
+def plan(inputs: PlanInputs, *, allow_unfit: bool = False) -> PlanResult:
+    """Per-GPU and cluster capacity for the scenario.
+
+    When the weights or the KV pool do not fit on one GPU this raises InputError (the simulator cannot build such
+    a cluster), unless ``allow_unfit``: then the result says ``fits: false``, why, and ``fit_options`` (the
+    smallest parallelism per weights dtype that fits) — `kvcap plan` answers instead of refusing.
+    """
     sc, model, gpu = inputs.scenario, inputs.model, inputs.gpu
     sv, cl, wl = sc.serving, sc.cluster, sc.workload
     tp, pp = sv.tensor_parallel, sv.pipeline_parallel
-    per_replica = tp * pp
-    if cl.gpus % per_replica:
-        raise InputError(f"{cl.gpus} GPUs cannot be split into replicas of tp×pp = {per_replica}")
-    replicas = cl.gpus // per_replica
+    replicas = replica_count(cl.gpus, tp, pp)
     elem = kv_element_bytes(model, sc.model.kv_dtype, inputs.weights_dtype)
-    kv_dtype = sc.model.kv_dtype
-    if kv_dtype == "auto":
-        kv_dtype = inputs.weights_dtype if inputs.weights_dtype in ("fp32", "fp16", "bf16") else "bf16"
-    assumptions: list[str] = []
-    warnings: list[str] = []
-
-    w_total = weights_bytes(model, inputs.weights_dtype)
-    w_gpu = w_total / per_replica
-    act = activation_peak_bytes(model, sv.max_num_batched_tokens, sv.max_num_seqs, tp)
-    budget = gpu.memory_bytes * sv.gpu_memory_utilization
-    usable = budget - w_gpu - act - sv.runtime_overhead - sv.reserve
-    if w_gpu >= budget:
-        raise InputError(
-            f"{model.name} weights ({w_gpu / 2**30:.1f} GiB per GPU at {inputs.weights_dtype}, tp={tp}, pp={pp}) "
-            f"do not fit in {gpu.memory_bytes / 2**30:.1f} GiB × {sv.gpu_memory_utilization:g} utilization on "
-            f"{gpu.name}: use more GPUs per replica, a smaller weights dtype or a bigger GPU")
-    if usable <= 0:
-        raise InputError(
-            f"no memory left for KV cache on {gpu.name}: budget {budget / 2**30:.2f} GiB − weights "
-            f"{w_gpu / 2**30:.2f} GiB − activations {act / 2**30:.2f} GiB − overhead/reserve "
-            f"{(sv.runtime_overhead + sv.reserve) / 2**30:.2f} GiB ≤ 0")
+    mem = memory_budget(model, gpu.memory_bytes, sv, inputs.weights_dtype, tp, pp)
+    problem = no_room_problem(model, gpu, sv, inputs.weights_dtype, tp, pp, mem)
+    if problem and not allow_unfit:
+        raise InputError(problem)
 
     tok_gpu = kv_bytes_per_token(model, elem, tp, pp)
-    blocks = int(usable // (tok_gpu * sv.block_size))
     tokens_req = wl.input_mean + wl.output_mean
     req_gpu = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size, tp, pp)
     req_total = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size)
+    fits = problem is None and mem.usable >= req_gpu
+    if problem is None and not fits:
+        problem = (f"{mem.usable / 2**30:.2f} GiB per GPU left for KV on {gpu.name} is less than one request of "
+                   f"{tokens_req} tokens ({req_gpu / 2**30:.2f} GiB per GPU at tp={tp}, pp={pp})")
+    assumptions: list[str] = []
+    warnings: list[str] = []
     if model.max_position_embeddings and tokens_req > model.max_position_embeddings:
         warnings.append(f"{tokens_req} tokens per request exceed the model's context of "
                         f"{model.max_position_embeddings}")
 
-    hbm_per_replica = min(int(usable // req_gpu), sv.max_num_seqs)
-    if int(usable // req_gpu) > sv.max_num_seqs:
-        assumptions.append(f"HBM could hold {int(usable // req_gpu)} requests per replica; "
-                           f"max_num_seqs={sv.max_num_seqs} caps it")
-    tiers = [Tier(name="hbm", capacity_bytes=usable * cl.gpus, requests=hbm_per_replica * replicas)]
+    blocks = kv_blocks(mem.usable, tok_gpu, sv.block_size)
+    fit_hbm = max(0, int(mem.usable // req_gpu))
+    if fit_hbm > sv.max_num_seqs:
+        assumptions.append(f"HBM could hold {fit_hbm} requests per replica; max_num_seqs={sv.max_num_seqs} caps it")
+    tiers = [Tier(name="hbm", capacity_bytes=max(0.0, mem.usable) * cl.gpus,
+                  requests=min(fit_hbm, sv.max_num_seqs) * replicas)]
+    tiers += offload_tiers(inputs, req_total, assumptions)
+    if not fits:
+        tiers = [t.model_copy(update={"requests": 0}) for t in tiers]
+        warnings.insert(0, "does not fit (see fit_problem): no tier holds a request until it does; fit_options "
+                           "gives the smallest parallelism per weights dtype that fits")
+    resident = resident_counts(tiers)
 
+    result = PlanResult(
+        model=model.name, model_source=model.source, attention_kind=model.attention_kind, gpu=gpu.name,
+        nodes=cl.nodes, gpus_per_node=cl.gpus_per_node, gpus=cl.gpus, tensor_parallel=tp, pipeline_parallel=pp,
+        replicas=replicas, weights_dtype=inputs.weights_dtype,
+        kv_dtype=resolved_kv_dtype(sc.model.kv_dtype, inputs.weights_dtype), kv_element_bytes=elem,
+        num_parameters=model.num_parameters, parameters_source=model.parameters_source,
+        kv_bytes_per_token=kv_bytes_per_token(model, elem), kv_bytes_per_token_per_gpu=tok_gpu,
+        weights_bytes=mem.weights_total, weights_bytes_per_gpu=mem.weights_gpu, gpu_memory_bytes=gpu.memory_bytes,
+        gpu_memory_utilization=sv.gpu_memory_utilization, activation_peak_bytes_per_gpu=mem.activation,
+        runtime_overhead_bytes_per_gpu=sv.runtime_overhead, reserve_bytes_per_gpu=sv.reserve,
+        usable_kv_bytes_per_gpu=mem.usable, block_size=sv.block_size, kv_blocks_per_gpu=blocks,
+        kv_tokens_per_gpu=blocks * sv.block_size, input_tokens=wl.input_mean, output_tokens=wl.output_mean,
+        tokens_per_request=tokens_req, kv_bytes_per_request=req_total, kv_bytes_per_request_per_gpu=req_gpu,
+        max_num_seqs=sv.max_num_seqs, resident_requests=resident,
+        resident_requests_per_gpu={k: v / cl.gpus for k, v in resident.items()}, tiers=tiers,
+        fits=fits, fit_problem=None if fits else problem,
+        fit_options=[] if fits else fit_options(inputs, tokens_req), assumptions=assumptions, warnings=warnings,
+    )
+    _add_rates(result, inputs)
+    _add_links(result, inputs)
+    _add_model_notes(result, model, inputs)
+    if not fits:
+        result.assumptions.append(FIT_RULE)
+    return result
+
+
+def replica_count(gpus: int, tp: int, pp: int) -> int:
+    """Whole replicas of tp×pp GPUs; a remainder is bad input (the GPUs would sit unused)."""
+    if gpus % (tp * pp):
+        raise InputError(f"{gpus} GPUs cannot be split into replicas of tp×pp = {tp * pp}")
+    return gpus // (tp * pp)
+
+
+def resolved_kv_dtype(kv_dtype: str, weights_dtype: str) -> str:
+    """The name of the KV dtype 'auto' resolves to (the model's 16-bit dtype, as kv_element_bytes counts it)."""
+    if kv_dtype != "auto":
+        return kv_dtype
+    return weights_dtype if weights_dtype in ("fp32", "fp16", "bf16") else "bf16"
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """One GPU's memory as the engine splits it (bytes): what is left for KV is ``usable`` (may be negative)."""
+
+    weights_total: float
+    weights_gpu: float
+    activation: float
+    budget: float
+    usable: float
+
+
+def memory_budget(model: ModelSpec, gpu_memory_bytes: float, sv: ServingSpec, weights_dtype: str,
+                  tp: int, pp: int) -> MemoryBudget:
+    """GPU memory × utilization − this GPU's share of the weights − activation peak − runtime overhead − reserve."""
+    w_total = weights_bytes(model, weights_dtype)
+    w_gpu = w_total / (tp * pp)
+    act = activation_peak_bytes(model, sv.max_num_batched_tokens, sv.max_num_seqs, tp)
+    budget = gpu_memory_bytes * sv.gpu_memory_utilization
+    return MemoryBudget(weights_total=w_total, weights_gpu=w_gpu, activation=act, budget=budget,
+                        usable=budget - w_gpu - act - sv.runtime_overhead - sv.reserve)
+
+
+def no_room_problem(model: ModelSpec, gpu: GpuSpec, sv: ServingSpec, weights_dtype: str, tp: int, pp: int,
+                    mem: MemoryBudget) -> str | None:
+    """Why no KV cache at all can exist on one GPU (weights over the budget, or nothing left after them); None: some."""
+    if mem.weights_gpu >= mem.budget:
+        return (f"{model.name} weights ({mem.weights_gpu / 2**30:.1f} GiB per GPU at {weights_dtype}, tp={tp}, "
+                f"pp={pp}) do not fit in {gpu.memory_bytes / 2**30:.1f} GiB × {sv.gpu_memory_utilization:g} "
+                f"utilization on {gpu.name}: use more GPUs per replica, a smaller weights dtype or a bigger GPU")
+    if mem.usable <= 0:
+        return (f"no memory left for KV cache on {gpu.name}: budget {mem.budget / 2**30:.2f} GiB − weights "
+                f"{mem.weights_gpu / 2**30:.2f} GiB − activations {mem.activation / 2**30:.2f} GiB − "
+                f"overhead/reserve {(sv.runtime_overhead + sv.reserve) / 2**30:.2f} GiB ≤ 0")
+    return None
+
+
+def kv_blocks(usable_bytes: float, kv_bytes_per_token_per_gpu: float, block_size: int) -> int:
+    """Whole KV blocks in the usable bytes of one GPU (none when nothing is usable)."""
+    return max(0, int(usable_bytes // (kv_bytes_per_token_per_gpu * block_size)))
+
+
+def offload_tiers(inputs: PlanInputs, req_total: float, assumptions: list[str]) -> list[Tier]:
+    """Host and remote KV tiers the scenario asks for, whole requests each (a request's KV lives in one tier)."""
+    sv, cl = inputs.scenario.serving, inputs.scenario.cluster
+    tiers: list[Tier] = []
     host_cap_node = sv.host_kv_capacity
     if host_cap_node is None and cl.host_memory is not None:
         host_cap_node = cl.host_memory // 2
@@ -298,31 +404,76 @@ def plan(inputs: PlanInputs) -> PlanResult:
                              "cluster.remote_memory)")
         tiers.append(Tier(name="remote", capacity_bytes=cl.remote_memory,
                           requests=int(cl.remote_memory // req_total), link=inputs.interconnect.name))
+    return tiers
+
+
+def resident_counts(tiers: list[Tier]) -> dict[str, int]:
+    """Requests per tier name (every tier named, 0 where absent) and their total."""
     resident = {t: 0 for t in ("hbm", "host", "remote")}
     for t in tiers:
         resident[t.name] = t.requests
     resident["total"] = sum(t.requests for t in tiers)
+    return resident
 
-    result = PlanResult(
-        model=model.name, model_source=model.source, attention_kind=model.attention_kind, gpu=gpu.name,
-        nodes=cl.nodes, gpus_per_node=cl.gpus_per_node, gpus=cl.gpus, tensor_parallel=tp, pipeline_parallel=pp,
-        replicas=replicas, weights_dtype=inputs.weights_dtype, kv_dtype=kv_dtype, kv_element_bytes=elem,
-        num_parameters=model.num_parameters, parameters_source=model.parameters_source,
-        kv_bytes_per_token=kv_bytes_per_token(model, elem), kv_bytes_per_token_per_gpu=tok_gpu,
-        weights_bytes=w_total, weights_bytes_per_gpu=w_gpu, gpu_memory_bytes=gpu.memory_bytes,
-        gpu_memory_utilization=sv.gpu_memory_utilization, activation_peak_bytes_per_gpu=act,
-        runtime_overhead_bytes_per_gpu=sv.runtime_overhead, reserve_bytes_per_gpu=sv.reserve,
-        usable_kv_bytes_per_gpu=usable, block_size=sv.block_size, kv_blocks_per_gpu=blocks,
-        kv_tokens_per_gpu=blocks * sv.block_size, input_tokens=wl.input_mean, output_tokens=wl.output_mean,
-        tokens_per_request=tokens_req, kv_bytes_per_request=req_total, kv_bytes_per_request_per_gpu=req_gpu,
-        max_num_seqs=sv.max_num_seqs, resident_requests=resident,
-        resident_requests_per_gpu={k: v / cl.gpus for k, v in resident.items()}, tiers=tiers,
-        assumptions=assumptions, warnings=warnings,
-    )
-    _add_rates(result, inputs)
-    _add_links(result, inputs)
-    _add_model_notes(result, model, inputs)
-    return result
+
+FIT_DTYPES = ("int8", "int4")
+"""Quantized weights the fit options try beside the scenario's own dtype."""
+FIT_RULE = ("fit options: tp divides the attention heads, and the KV heads divide tp or tp divides them (vLLM's "
+            "rule); pp divides the layers (the plan splits weights and KV evenly over stages); fits = KV room for "
+            "at least one request per GPU; per dtype the smallest tp (pp=1), the smallest pp (tp=1), and only if "
+            "neither exists the smallest tp×pp; int8/int4 keep embeddings and LM head in 16-bit")
+
+
+def tp_sizes(model: ModelSpec) -> list[int]:
+    """Tensor-parallel sizes an engine accepts for the model: whole query heads per rank, KV heads split or copied."""
+    heads, kv = model.num_attention_heads, model.num_kv_heads
+    return [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+
+
+def pp_sizes(model: ModelSpec) -> list[int]:
+    """Pipeline sizes that split the layers evenly (what the plan's per-stage arithmetic assumes)."""
+    return [p for p in range(1, model.num_layers + 1) if model.num_layers % p == 0]
+
+
+def fit_option(inputs: PlanInputs, weights_dtype: str, tp: int, pp: int, tokens_req: int) -> FitOption:
+    """What one replica of tp×pp GPUs holds with these weights, by the same arithmetic as `plan`."""
+    sc, model = inputs.scenario, inputs.model
+    sv = sc.serving
+    elem = kv_element_bytes(model, sc.model.kv_dtype, weights_dtype)
+    mem = memory_budget(model, inputs.gpu.memory_bytes, sv, weights_dtype, tp, pp)
+    tok_gpu = kv_bytes_per_token(model, elem, tp, pp)
+    req_gpu = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size, tp, pp)
+    blocks = kv_blocks(mem.usable, tok_gpu, sv.block_size)
+    fit = max(0, int(mem.usable // req_gpu))
+    return FitOption(weights_dtype=weights_dtype, tp=tp, pp=pp, gpus=tp * pp, weights_bytes_per_gpu=mem.weights_gpu,
+                     usable_kv_bytes_per_gpu=mem.usable, kv_bytes_per_token_per_gpu=tok_gpu,
+                     kv_tokens_per_replica=blocks * sv.block_size, requests_fit_per_replica=fit,
+                     requests_per_replica=min(fit, sv.max_num_seqs),
+                     replicas_on_cluster=sc.cluster.gpus // (tp * pp))
+
+
+def smallest_fit(inputs: PlanInputs, weights_dtype: str, tps: list[int], pps: list[int],
+                 tokens_req: int) -> FitOption | None:
+    """The fitting (tp, pp) with the fewest GPUs (ties: the smaller pp), or None when none does."""
+    for tp, pp in sorted(((t, p) for t in tps for p in pps), key=lambda x: (x[0] * x[1], x[1])):
+        option = fit_option(inputs, weights_dtype, tp, pp, tokens_req)
+        if option.requests_fit_per_replica >= 1:
+            return option
+    return None
+
+
+def fit_options(inputs: PlanInputs, tokens_req: int) -> list[FitOption]:
+    """Per weights dtype (the scenario's, then int8 and int4): the smallest tp, the smallest pp (FIT_RULE)."""
+    tps, pps = tp_sizes(inputs.model), pp_sizes(inputs.model)
+    out: list[FitOption] = []
+    for dtype in dict.fromkeys((inputs.weights_dtype, *FIT_DTYPES)):
+        found = [smallest_fit(inputs, dtype, tps, [1], tokens_req), smallest_fit(inputs, dtype, [1], pps, tokens_req)]
+        if not any(found):
+            found = [smallest_fit(inputs, dtype, tps, pps, tokens_req)]
+        for option in found:
+            if option is not None and option not in out:
+                out.append(option)
+    return out
 
 
 def _add_rates(r: PlanResult, inputs: PlanInputs) -> None:

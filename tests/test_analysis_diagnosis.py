@@ -120,3 +120,58 @@ def test_one_level_says_only_what_telemetry_shows():
 def test_arm_label_on_every_finding():
     f = diagnose({"levels": [lv(1, 100.0, 20.0), lv(16, 110.0, 20.0, link_util_max=0.9)]}, "treatment")
     assert {x["arm"] for x in f} == {"treatment"}
+
+
+# ------------------------------------------------------------------ imbalance: the rule on per-node figures
+
+
+def test_idle_replicas_below_one_request_each_are_not_imbalance():
+    from kvcap.analysis.telemetry import imbalance
+
+    idle = {"n0": {"gpu_util_mean": 1.0, "running_mean": 1.0}, "n1": {"gpu_util_mean": 0.0, "running_mean": 0.0}}
+    assert imbalance(idle, in_flight=1, replicas=2) is None
+    util_only = {n: {"gpu_util_mean": f["gpu_util_mean"]} for n, f in idle.items()}
+    assert imbalance(util_only, in_flight=1, replicas=2) is None
+    assert imbalance(util_only, in_flight=2, replicas=2)["hot"] == "n0"   # two in flight could fill both GPUs
+    # the servers' own counts say held 1 of 1 in flight, whatever in_flight the caller does not know
+    assert imbalance(idle) is None
+
+
+def test_a_node_under_its_fair_share_is_imbalance():
+    from kvcap.analysis.telemetry import imbalance
+
+    skew = {"n0": {"running_mean": 0.7, "waiting_mean": 0.0}, "n1": {"running_mean": 7.3, "waiting_mean": 0.0}}
+    assert imbalance(skew, in_flight=8, replicas=2) == {
+        "metric": "requests_held", "hot": "n1", "hot_value": 7.3, "cold": "n0", "cold_value": 0.7,
+        "fair_share": 4.0, "in_flight": 8, "replicas": 2}
+    # 3 on 2 replicas cannot split evenly: 2 and 1 is the best a balancer can do
+    assert imbalance({"n0": {"running_mean": 2.0}, "n1": {"running_mean": 1.0}}, in_flight=3, replicas=2) is None
+    # counts decide over utilisation: both GPUs busy, the split is still 7.3 / 0.7
+    busy = {n: f | {"gpu_util_mean": 1.0} for n, f in skew.items()}
+    assert imbalance(busy, in_flight=8, replicas=2)["metric"] == "requests_held"
+
+
+def test_requests_waiting_beside_a_node_with_room_is_imbalance():
+    from kvcap.analysis.telemetry import imbalance
+
+    nodes = {"n0": {"running_mean": 4.0, "waiting_mean": 3.0, "kv_usage_max": 0.99},
+             "n1": {"running_mean": 4.0, "waiting_mean": 0.0, "kv_usage_max": 0.5}}
+    found = imbalance(nodes, in_flight=11, replicas=2)
+    assert found["metric"] == "waiting_mean" and (found["hot"], found["cold"]) == ("n0", "n1")
+    full = nodes | {"n1": nodes["n1"] | {"kv_usage_max": 0.95}}        # n1 has no KV room: nowhere to move them
+    assert imbalance(full, in_flight=11, replicas=2) is None
+
+
+def test_imbalance_evidence_names_what_was_measured():
+    hot = {"metric": "requests_held", "hot": "n1", "hot_value": 12.475, "cold": "n0", "cold_value": 1.0,
+           "fair_share": 6.737, "in_flight": 14.146, "replicas": 2}
+    f = run(lv(1, 100.0, 20.0, mode="trace", imbalance=hot))
+    assert f == [{"arm": "control", "bound": "imbalance",
+                  "evidence": "at trace ×1 node n1 holds 12.5 requests (running + waiting) while node n0 holds "
+                              "1.0 of a fair share of 6.7 with 14.1 in flight on 2 replicas",
+                  "direction": f[0]["direction"]}]
+    waiting = {"metric": "waiting_mean", "hot": "n0", "hot_value": 3.0, "cold": "n1", "cold_value": 0.0,
+               "cold_kv_usage_max": 0.5, "in_flight": 11, "replicas": 2}
+    f = run(lv(8, 100.0, 20.0, imbalance=waiting))
+    assert f[0]["evidence"] == ("at c=8 3.0 requests wait on node n0 while node n1 has 0.0 waiting and its KV "
+                                "cache 50% full with 11 in flight on 2 replicas")

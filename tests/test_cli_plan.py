@@ -43,7 +43,6 @@ def test_plan_scenario_with_set(cli_json):
     (["--model", "llama-3.1-8b", "--link", "100gbs", "--remote-mem", "1TiB"], "did you mean"),
     (["--model", "llama-3.1-8b", "--gpu-mem=-24GiB"], "size must be positive"),
     (["--model", "llama-3.1-8b", "--nodes", "0"], "positive integer"),
-    (["--model", "llama-3.1-70b", "--gpu", "rtx4090"], "do not fit"),
     (["--model", "llama-3.1-8b", "--gpu-memory-utilization", "1.5"], "between 0 and 1"),
     (["--model", "llama-3.1-8b", "--set", "cluster.nodez=3"], "cluster.nodez: unknown key"),
     (["--model", "llama-3.1-8b", "--scenario", "/nonexistent.yaml"], "not found"),
@@ -79,3 +78,31 @@ def test_user_config_json(cli, tmp_path):
     d = json.loads(p.stdout)
     assert d["model"] == "mymodel" and d["kv_bytes_per_token"] == 131_072
     assert d["parameters_source"] == "estimated"
+
+
+def test_weights_that_do_not_fit_get_an_answer_exit_0(cli):
+    # not fitting is a finding: KV per token and request, fits false, and the smallest TP/PP per weights dtype
+    p = cli("plan", "--model", "llama-3.1-70b", "--gpu-mem", "24GiB", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    for key in ("kv_bytes_per_token", "kv_tokens_per_gpu", "kv_bytes_per_request", "weights_bytes",
+                "resident_requests"):
+        assert key in d, key
+    assert d["fits"] is False and "do not fit" in d["fit_problem"]
+    assert d["kv_bytes_per_token"] == 327_680 and d["kv_bytes_per_request"] == 1280 * 327_680
+    assert d["weights_bytes"] == 70_553_706_496 * 2 and d["resident_requests"]["total"] == 0
+    smallest_tp = {o["weights_dtype"]: o["tp"] for o in d["fit_options"] if o["pp"] == 1}
+    smallest_pp = {o["weights_dtype"]: o["pp"] for o in d["fit_options"] if o["tp"] == 1}
+    assert smallest_tp == {"bf16": 8, "int8": 4, "int4": 2}      # hand-computed in test_plan.py
+    assert smallest_pp == {"bf16": 8, "int8": 4, "int4": 2}
+    tp8 = next(o for o in d["fit_options"] if o["weights_dtype"] == "bf16" and o["pp"] == 1)
+    assert tp8["gpus"] == 8 and tp8["kv_tokens_per_replica"] == 108_064 and tp8["requests_per_replica"] == 84
+    table = cli("plan", "--model", "llama-3.1-70b", "--gpu-mem", "24GiB")
+    assert table.returncode == 0, table.stderr
+    assert "Does not fit:" in table.stdout and "smallest tp and pp per weights dtype" in table.stdout
+    assert "108,064" in table.stdout and "Traceback" not in table.stderr
+
+
+def test_fits_true_when_it_fits(cli_json):
+    d = cli_json("plan", "--model", "llama-3.1-8b", "--gpu", "rtx4090")
+    assert d["fits"] is True and d["fit_problem"] is None and d["fit_options"] == []

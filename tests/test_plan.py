@@ -78,3 +78,80 @@ def test_seed_scenario_file_plans():
     # what the file's comment says: 512 KiB per token, 983 blocks, 12 requests per card, 48 in the cluster
     assert r.kv_bytes_per_token == 524_288 and r.kv_blocks_per_gpu == 983
     assert r.resident_requests["hbm"] == 48
+
+
+# ------------------------------------------------------------------ weights that do not fit: an answer, not a refusal
+
+# Llama-3.1-70B from its config (kvcap/specs/presets/models/llama-3.1-70b.json): 70,553,706,496 parameters,
+# hidden 8192, intermediate 28672, 80 layers, 64 query / 8 KV heads of 128, vocab 128256, untied embeddings.
+N_70B, EMB_70B = 70_553_706_496, 2 * 128_256 * 8192
+BUDGET_24G = 24 * 2**30 * 0.9                       # --gpu-mem 24GiB at the default utilization 0.9
+OVERHEAD = 650 * 2**20                              # serving.runtime_overhead default
+
+
+def act_70b(tp: int) -> float:
+    """The activation peak by hand: 2048 tokens × (4·hidden + (64 + 2·8)·128/tp + 3·28672/tp) × 2 B, plus
+    256 rows × 128256 fp32 logits × 2 copies."""
+    return 2048 * (4 * 8192 + (64 + 16) * 128 / tp + 3 * 28672 / tp) * 2 + 256 * 128_256 * 4 * 2
+
+
+def test_70b_on_24gib_answers_with_the_smallest_parallelism_that_fits():
+    r = plan(resolve(load_scenario(None, {"model.preset": "llama-3.1-70b", "cluster.gpu.memory": "24GiB"})),
+             allow_unfit=True)
+    assert r.fits is False and "do not fit" in r.fit_problem
+    assert r.weights_bytes == N_70B * 2                              # bf16
+    assert r.kv_bytes_per_token == 2 * 8 * 128 * 2 * 80 == 327_680   # K and V × 8 heads × 128 × 2 B × 80 layers
+    assert r.kv_bytes_per_request == 1280 * 327_680                  # 1024 + 256 tokens, whole blocks of 16
+    assert r.resident_requests == {"hbm": 0, "host": 0, "remote": 0, "total": 0}
+    opts = {(o.weights_dtype, o.pp == 1): o for o in r.fit_options}
+    assert [o.weights_dtype for o in r.fit_options] == ["bf16", "bf16", "int8", "int8", "int4", "int4"]
+    # bf16: 141.1 GB / tp ≤ 21.6 GiB − activations − overhead needs tp ≥ 7; 7 does not divide 64 heads → 8
+    assert (N_70B * 2 / 7 + act_70b(7) + OVERHEAD) < BUDGET_24G < N_70B * 2 / 6
+    tp8 = opts[("bf16", True)]
+    assert (tp8.tp, tp8.pp, tp8.gpus) == (8, 1, 8)
+    usable = BUDGET_24G - N_70B * 2 / 8 - act_70b(8) - OVERHEAD
+    assert tp8.usable_kv_bytes_per_gpu == pytest.approx(usable)
+    assert tp8.kv_bytes_per_token_per_gpu == 327_680 / 8                      # one KV head per rank
+    assert tp8.kv_tokens_per_replica == int(usable // (40_960 * 16)) * 16 == 108_064
+    assert tp8.requests_per_replica == int(usable // (1280 * 40_960)) == 84
+    assert tp8.replicas_on_cluster == 0                                       # the cluster is one GPU
+    # pipeline only: pp must divide the 80 layers; 131.4 GiB / 5 > 21.6 GiB, so 8 (7 would not divide 80)
+    pp8 = opts[("bf16", False)]
+    assert (pp8.tp, pp8.pp) == (1, 8)
+    assert pp8.usable_kv_bytes_per_gpu == pytest.approx(BUDGET_24G - N_70B * 2 / 8 - act_70b(1) - OVERHEAD)
+    # int8: 1 B per parameter, embeddings and LM head kept at 2 B: 72.7 GB → tp=2 is 36 GB, tp=4 fits
+    w8 = (N_70B - EMB_70B) * 1 + EMB_70B * 2
+    int8 = opts[("int8", True)]
+    assert int8.tp == 4 and N_70B * 2 / 2 > w8 / 2 > BUDGET_24G
+    assert int8.usable_kv_bytes_per_gpu == pytest.approx(BUDGET_24G - w8 / 4 - act_70b(4) - OVERHEAD)
+    # int4: 0.5 B + a 16-bit scale and 4-bit zero per 128 → 39.8 GB at tp=1, tp=2 fits
+    w4 = (N_70B - EMB_70B) * (0.5 + 2.5 / 128) + EMB_70B * 2
+    int4 = opts[("int4", True)]
+    assert int4.tp == 2 and w4 > BUDGET_24G
+    assert int4.weights_bytes_per_gpu == pytest.approx(w4 / 2)
+    assert int4.requests_per_replica == int((BUDGET_24G - w4 / 2 - act_70b(2) - OVERHEAD) // (1280 * 163_840))
+
+
+def test_strict_plan_still_refuses_what_cannot_be_simulated():
+    from kvcap.errors import InputError
+
+    with pytest.raises(InputError, match="do not fit"):
+        run_plan({"model.preset": "llama-3.1-70b", "cluster.gpu.memory": "24GiB"})
+
+
+def test_a_plan_that_fits_has_no_options_and_the_same_numbers():
+    over = {"model.preset": "llama-3.1-8b", "cluster.gpu.preset": "rtx4090"}
+    strict, lenient = run_plan(over), plan(resolve(load_scenario(None, over)), allow_unfit=True)
+    assert strict.fits and strict.fit_problem is None and strict.fit_options == []
+    assert strict == lenient
+
+
+def test_kv_room_for_less_than_one_request_does_not_fit():
+    # 8B bf16 on an RTX 4090 leaves ~5.7 GiB for KV: a 64k-token request needs 8 GiB (131,072 B per token)
+    r = plan(resolve(load_scenario(None, {"model.preset": "llama-3.1-8b", "cluster.gpu.preset": "rtx4090",
+                                          "workload.input_tokens": 65_536, "workload.output_tokens": 1})),
+             allow_unfit=True)
+    assert r.fits is False and "less than one request" in r.fit_problem
+    assert r.usable_kv_bytes_per_gpu > 0 and r.kv_bytes_per_request_per_gpu > r.usable_kv_bytes_per_gpu
+    best = r.fit_options[0]
+    assert best.weights_dtype == "bf16" and (best.tp, best.pp) == (2, 1) and best.requests_per_replica >= 1

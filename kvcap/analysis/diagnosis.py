@@ -127,13 +127,33 @@ def _link(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
 
 
 def _imbalance(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
-    """A node saturates while another idles (per-node telemetry): the cluster is as good as its hottest node."""
+    """Load that could be spread is not (kvcap.analysis.telemetry.imbalance): the hottest node bounds the cluster."""
     for lv in levels:
         hot = lv.get("imbalance")
         if hot:
-            return [{"arm": arm, "bound": "imbalance",
-                     "evidence": f"at c={lv['level']} node {hot['hot']} has {hot['metric']} {hot['hot_value']:.0%} "
-                                 f"while node {hot['cold']} has {hot['cold_value']:.0%}",
-                     "direction": "one node saturates while others idle: fix routing / placement (KV-aware or "
+            return [{"arm": arm, "bound": "imbalance", "evidence": f"at {_at(lv)} {_imbalance_evidence(hot)}",
+                     "direction": "load that could be spread is not: fix routing / placement (KV-aware or "
                                   "least-loaded balancing) before adding memory or GPUs"}]
     return []
+
+
+def _at(lv: dict[str, Any]) -> str:
+    mode = lv.get("mode", "concurrency")
+    return {"concurrency": f"c={lv['level']}", "rate": f"{lv['level']} req/s",
+            "trace": f"trace ×{lv['level']:g}"}.get(mode, f"{mode} {lv['level']}")
+
+
+def _imbalance_evidence(hot: dict[str, Any]) -> str:
+    flight = hot.get("in_flight")
+    load = f" with {round(flight, 1):g} in flight on {hot['replicas']} replicas" if flight else ""
+    if hot["metric"] == "requests_held":
+        return (f"node {hot['hot']} holds {hot['hot_value']:.1f} requests (running + waiting) while node "
+                f"{hot['cold']} holds {hot['cold_value']:.1f} of a fair share of "
+                f"{hot['fair_share']:.1f}{load}")
+    if hot["metric"] == "waiting_mean":
+        kv = hot.get("cold_kv_usage_max")
+        room = f" and its KV cache {kv:.0%} full" if kv is not None else ""
+        return (f"{hot['hot_value']:.1f} requests wait on node {hot['hot']} while node {hot['cold']} has "
+                f"{hot['cold_value']:.1f} waiting{room}{load}")
+    return (f"node {hot['hot']} has {hot['metric']} {hot['hot_value']:.0%} while node {hot['cold']} has "
+            f"{hot['cold_value']:.0%}{load}")

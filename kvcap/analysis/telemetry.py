@@ -136,9 +136,36 @@ def nic_utilisation(rows: list[dict[str, Any]]) -> float | None:
     return None if best is None else round(best, 4)
 
 
-def imbalance(per_node: dict[str, dict[str, float]], key: str = "gpu_util_mean",
-              hot: float = 0.8, ratio: float = 2.0) -> dict[str, Any] | None:
-    """One node busy (≥ ``hot``) while another does less than 1/``ratio`` of it: the hot node bounds the cluster."""
+def servers(rows: list[dict[str, Any]]) -> int:
+    """How many servers (replicas) report a running count — one per (node, replica) label pair; else the nodes."""
+    pairs = {(r.get("labels", {}).get("node"), r.get("labels", {}).get("replica")) for r in rows
+             if r.get("name") == "server.requests_running"}
+    return len(pairs) or len(nodes(rows)) or 1
+
+
+WAITING = 0.5
+"""Mean requests waiting on a node from which they count as queued there."""
+
+
+def imbalance(per_node: dict[str, dict[str, float]], key: str = "gpu_util_mean", hot: float = 0.8,
+              ratio: float = 2.0, *, in_flight: float | None = None, replicas: int | None = None,
+              kv_full: float = 0.9) -> dict[str, Any] | None:
+    """Load that could be spread over the nodes is not: the busiest node then bounds the cluster.
+
+    Fewer requests in flight than replicas leave replicas idle by design, so nothing is found then (``in_flight``
+    is the level's load; None: unknown). Where the servers report what each node holds (running + waiting), that
+    decides: requests wait on one node while another has none waiting and KV room, or — with at least one
+    request per replica held — a node holds less than 1/``ratio`` of its fair share (the total over the nodes).
+    Without those counts, GPU utilisation: one node busy (≥ ``hot``) while another does less than 1/``ratio`` of it
+    (a single request can keep a GPU busy, so utilisation is the weaker signal).
+    """
+    n_replicas = replicas or len(per_node)
+    if len(per_node) < 2 or (in_flight is not None and in_flight < n_replicas):
+        return None
+    held = {n: f["running_mean"] + f.get("waiting_mean", 0.0) for n, f in per_node.items() if "running_mean" in f}
+    if len(held) >= 2:
+        found = _queued_beside_room(per_node, held, kv_full) or _under_share(held, ratio, n_replicas)
+        return found | {"in_flight": in_flight, "replicas": n_replicas} if found else None
     vals = {n: f[key] for n, f in per_node.items() if key in f}
     if len(vals) < 2:
         return None
@@ -146,3 +173,28 @@ def imbalance(per_node: dict[str, dict[str, float]], key: str = "gpu_util_mean",
     if vals[top] >= hot and vals[low] * ratio <= vals[top]:
         return {"metric": key, "hot": top, "hot_value": vals[top], "cold": low, "cold_value": vals[low]}
     return None
+
+
+def _queued_beside_room(per_node: dict[str, dict[str, float]], held: dict[str, float],
+                        kv_full: float) -> dict[str, Any] | None:
+    """Requests wait on one node while another, holding fewer, has none waiting and KV room to take them."""
+    waiting = {n: per_node[n].get("waiting_mean", 0.0) for n in held}
+    top = max(waiting, key=waiting.__getitem__)
+    room = [n for n in held if waiting[n] < WAITING and held[n] < held[top]
+            and per_node[n].get("kv_usage_max", 0.0) < kv_full]
+    if waiting[top] < WAITING or not room:
+        return None
+    low = min(room, key=held.__getitem__)
+    return {"metric": "waiting_mean", "hot": top, "hot_value": waiting[top], "cold": low, "cold_value": waiting[low],
+            "cold_kv_usage_max": per_node[low].get("kv_usage_max")}
+
+
+def _under_share(held: dict[str, float], ratio: float, n_replicas: int) -> dict[str, Any] | None:
+    """With at least one request per replica held, a node holds under 1/``ratio`` of its fair share."""
+    total = sum(held.values())
+    fair = total / len(held)
+    top, low = max(held, key=held.__getitem__), min(held, key=held.__getitem__)
+    if total < n_replicas or held[low] * ratio >= fair:
+        return None
+    return {"metric": "requests_held", "hot": top, "hot_value": round(held[top], 3), "cold": low,
+            "cold_value": round(held[low], 3), "fair_share": round(fair, 3)}

@@ -28,7 +28,9 @@ def register(sub: common.Subparsers) -> None:
         description=common.doc("""
             How many requests of a given length fit in each memory tier, what remains for the KV cache after
             weights, activations and reserve, the token rates a request rate implies, and the link bandwidth
-            parked sequences need to be brought back. Flags override the scenario file's values.
+            parked sequences need to be brought back. Flags override the scenario file's values. When the
+            model does not fit it says so (exit 0) and gives the smallest tensor/pipeline parallelism that fits,
+            at the scenario's weights dtype and at int8 and int4, with the KV each then holds.
         """), epilog=PLAN_EXAMPLES, formatter_class=common.formatter)
     p.add_argument("--scenario", metavar="FILE", help="scenario YAML (flags below override it)")
     p.add_argument("--model", help="preset name (e.g. llama-3.1-8b) or path to an HF config.json")
@@ -81,7 +83,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     _default_kv_offload(a, overrides)
     scenario = load_scenario(a.scenario, overrides)
     response = parse_duration(a.response_time, "--response-time") if a.response_time else None
-    result = plan(resolve(scenario, rate=a.rate, response_time_s=response, concurrency=a.concurrency))
+    # not fitting is a finding, not bad input: the result says so and what would fit
+    result = plan(resolve(scenario, rate=a.rate, response_time_s=response, concurrency=a.concurrency),
+                  allow_unfit=True)
     if a.json:
         common.print_json(result.model_dump(mode="json"))
     else:

@@ -28,6 +28,8 @@ def render_plan(r: PlanResult, console: Console | None = None) -> None:
     title = (f"{r.model} ({r.attention_kind}, {r.num_parameters / 1e9:.2f} B params, weights {r.weights_dtype}, "
              f"KV {r.kv_dtype}) on {r.nodes} node(s) × {r.gpus_per_node} {r.gpu}")
     con.print(f"[bold]{title}[/bold]")
+    if not r.fits:
+        _render_fit_options(r, con)
     mem = Table(show_header=True)
     mem.add_column("per GPU")
     mem.add_column("value", justify="right")
@@ -86,6 +88,27 @@ def render_plan(r: PlanResult, console: Console | None = None) -> None:
         con.print("\n[bold yellow]Warnings[/bold yellow]")
         for w in r.warnings:
             con.print(f"  [yellow]![/yellow] {w}")
+
+
+def _render_fit_options(r: PlanResult, con: Console) -> None:
+    """Does not fit: why, and the smallest parallelism per weights dtype that would (and what it then holds)."""
+    con.print(f"[bold red]Does not fit:[/bold red] {r.fit_problem}")
+    con.print(f"KV per token {_int(r.kv_bytes_per_token)} B (all layers); per request of {r.tokens_per_request} "
+              f"tokens {format_size(r.kv_bytes_per_request)}")
+    if not r.fit_options:
+        con.print("No tensor/pipeline parallelism fits at these weights dtypes on this GPU.")
+        return
+    t = Table(title=f"What fits on {r.gpu} ({format_size(r.gpu_memory_bytes)}): smallest tp and pp per weights "
+                    "dtype", title_justify="left")
+    cols = ("weights", "tp", "pp", "GPUs per replica", "weights per GPU", "left for KV per GPU",
+            "KV tokens per replica", "requests per replica", f"replicas on {r.gpus} GPU(s)")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "weights" else "right")
+    for o in r.fit_options:
+        t.add_row(o.weights_dtype, str(o.tp), str(o.pp), str(o.gpus), format_size(o.weights_bytes_per_gpu),
+                  format_size(o.usable_kv_bytes_per_gpu), _int(o.kv_tokens_per_replica), _int(o.requests_per_replica),
+                  str(o.replicas_on_cluster))
+    con.print(t)
 
 
 def _ms(d: dict | None, q: str) -> str:
