@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Client overhead of kvcap's load generator, side by side with guidellm, against the deterministic fake server.
+"""Client overhead of kvcap's load generator, side by side with a bare stdlib client and guidellm, against the
+deterministic fake server.
 
 Each (tool, streams) pair is one fresh client process against one fresh fake server
 (``python -m kvcap.testing.server --ttft 50ms --itl 20ms``), closed loop at fixed concurrency, 128 in / 128 out.
@@ -20,12 +21,19 @@ Because the server's timing is known exactly, the client's view of it can be sco
 * **server cores** — the fake server's own CPU over the same window (it shares the machine with the client).
 * **softirq** — the machine's irq+softirq time over the window: mostly the loopback TCP stack working for
   client and server, charged by the kernel to neither.
+* **kvcap vs bare** — ``benchmarks/bare_client.py`` (stdlib asyncio, one keep-alive connection per stream, SSE
+  lines timestamped as read, no JSON) is the yardstick: what any client on this machine sees of this server. Its
+  table gives, per level, the server's configured TTFT and its timer lateness (the share of timed sends it woke
+  more than 1 ms late, from ``/stats``: its own TTFT holds only while that stays near 0), both clients' TTFT p50,
+  their difference, both TPOT p50 and CPU s per 1k tokens, and the CPU ratio. With ``--rounds N`` each level
+  alternates the tools N times; the table takes the median over rounds.
 * **other load** — every other process's CPU on the machine over the window (/proc/stat user+system minus client
   and server). On a shared 2-core machine anything above ~0.2 cores skews the latency columns (not much the CPU
   columns); ``--wait-quiet`` (default 300 s) waits before each run for the machine to calm down.
 
-    .venv/bin/python benchmarks/client_overhead.py                      # kvcap + guidellm, 64,256,1024
-    .venv/bin/python benchmarks/client_overhead.py --quick              # shorter, 64 and 256 only
+    .venv/bin/python benchmarks/client_overhead.py                      # kvcap, bare, guidellm: 32,256,1024
+    .venv/bin/python benchmarks/client_overhead.py --quick              # shorter, 32 and 256 only
+    .venv/bin/python benchmarks/client_overhead.py --tools kvcap,bare --rounds 3   # kvcap vs bare, alternated
     .venv/bin/python benchmarks/client_overhead.py --tools kvcap        # kvcap only
     .venv/bin/python benchmarks/client_overhead.py --setup-guidellm     # make benchmarks/.venv-guidellm first
 
@@ -260,6 +268,7 @@ class Result:
     ttft_err_p50: float = math.nan
     ttft_err_p99: float = math.nan
     ttft_p50: float = math.nan
+    tpot_p50: float = math.nan
     itl_err_p50: float = math.nan
     itl_err_p99: float = math.nan
     tpot_err_p50: float = math.nan
@@ -334,7 +343,7 @@ def bench_kvcap(args: argparse.Namespace, streams: int, run_dir: Path, server: S
     level = json.loads((out / "levels.jsonl").read_text().splitlines()[0])
     origin = manifest["started_at"]  # wall time taken a few ms before the run clock's zero
     a, b = origin + level["measure_start_s"], origin + level["measure_end_s"]
-    ttft, gaps, tpot, times = [], [], [], []
+    ttft, gaps, tpot, times, tpot_raw = [], [], [], [], []
     for line in (out / "requests.jsonl").read_text().splitlines():
         r = json.loads(line)
         if r.get("ttft_ms") is not None:
@@ -353,8 +362,9 @@ def bench_kvcap(args: argparse.Namespace, streams: int, run_dir: Path, server: S
         gaps.extend(abs(g - args.itl_ms) for g in r.get("itl_ms") or ())
         if r.get("tpot_ms") is not None:
             tpot.append(abs(r["tpot_ms"] - args.itl_ms))
+            tpot_raw.append(r["tpot_ms"])
     finish_window(res, res.extra["sampler"], a, b, times)
-    res.ttft_p50 = pct(ttft, 50)
+    res.ttft_p50, res.tpot_p50 = pct(ttft, 50), pct(tpot_raw, 50)
     errs = [abs(x - args.ttft_ms) for x in ttft]
     res.ttft_err_p50, res.ttft_err_p99 = pct(errs, 50), pct(errs, 99)
     res.itl_err_p50, res.itl_err_p99 = pct(gaps, 50), pct(gaps, 99)
@@ -365,6 +375,31 @@ def bench_kvcap(args: argparse.Namespace, streams: int, run_dir: Path, server: S
     res.ok = res.requests_ok > 0
     if not res.ok:
         res.problem = f"no successful measured request ({res.requests_failed} failed)"
+    return res
+
+
+def bench_bare(args: argparse.Namespace, streams: int, run_dir: Path, server: Server) -> Result:
+    """benchmarks/bare_client.py: the yardstick (its window and token times are wall-clock, like the sampler's)."""
+    res = Result("bare", streams)
+    out_json = run_dir / "bare.json"
+    cmd = [args.kvcap_python, str(HERE / "bare_client.py"), "--url", server.url, "--streams", str(streams),
+           "--warmup", f"{args.warmup:g}", "--duration", f"{args.duration:g}", "--input-tokens",
+           str(args.input_tokens), "--output-tokens", str(args.output_tokens), "--out", str(out_json)]
+    res.extra["cmd"] = cmd
+    if not run_client(cmd, dict(os.environ), ROOT, server, 60 + 3 * (args.warmup + args.duration),
+                      run_dir / "client.log", res):
+        return res
+    b = json.loads(out_json.read_text())
+    finish_window(res, res.extra["sampler"], b["measure_start_s"], b["measure_end_s"], b["token_times"])
+    res.requests_ok, res.requests_failed = len(b["ttft_ms"]), b["errors"]
+    res.ttft_p50, res.tpot_p50 = pct(b["ttft_ms"], 50), pct(b["tpot_ms"], 50)
+    errs = [abs(x - args.ttft_ms) for x in b["ttft_ms"]]
+    res.ttft_err_p50, res.ttft_err_p99 = pct(errs, 50), pct(errs, 99)
+    tpot = [abs(x - args.itl_ms) for x in b["tpot_ms"]]
+    res.tpot_err_p50, res.tpot_err_p99 = pct(tpot, 50), pct(tpot, 99)
+    res.ok = res.requests_ok > 0
+    if not res.ok:
+        res.problem = f"no successful request ({res.requests_failed} errored)"
     return res
 
 
@@ -481,12 +516,14 @@ def one_run(args: argparse.Namespace, tool: str, c: int, run_dir: Path) -> Resul
     server = Server(f"{args.ttft_ms:g}ms", f"{args.itl_ms:g}ms", run_dir / "server.log")
     try:
         cpu0 = proc_cpu_s(server.process.pid)
-        fn = bench_kvcap if tool == "kvcap" else bench_guidellm
+        fn = {"kvcap": bench_kvcap, "bare": bench_bare, "guidellm": bench_guidellm}[tool]
         try:
             res = fn(args, c, run_dir, server)
         except Exception as exc:  # a tool's output we could not read: report it, go on
             res = Result(tool, c, problem=f"{type(exc).__name__}: {exc}")
         res.server_cpu_run_s = proc_cpu_s(server.process.pid) - cpu0
+        with contextlib.suppress(Exception):
+            res.extra["server_timer"] = server.stats()["timer"]
     finally:
         server.stop()
     L = args.output_tokens
@@ -549,6 +586,32 @@ def ratios(results: list[Result]) -> str:
             "mean-ITL err p50 |\n|---|---|---|---|---|---|\n" + "\n".join(lines))
 
 
+def versus_bare(results: list[Result], ttft_ms: float) -> str:
+    """kvcap against the bare client per level (medians over rounds): TTFT, TPOT, CPU."""
+    def med(tool: str, c: int, key: str) -> float:
+        xs = [getattr(r, key) for r in results if r.ok and r.tool == tool and r.streams == c]
+        xs = [x for x in xs if not math.isnan(x)]
+        return pct(xs, 50) if xs else math.nan
+
+    def late(c: int) -> str:
+        timers = [r.extra.get("server_timer") for r in results if r.streams == c and r.extra.get("server_timer")]
+        shares = [t["late_over_1ms"] / t["wakeups"] for t in timers if t.get("wakeups")]
+        return fmt(100 * pct(shares, 50), 1) + " %" if shares else "—"
+
+    lines = []
+    for c in sorted({r.streams for r in results if r.tool in ("kvcap", "bare")}):
+        kt, bt = med("kvcap", c, "ttft_p50"), med("bare", c, "ttft_p50")
+        kc, bc = med("kvcap", c, "cpu_per_1k_steady"), med("bare", c, "cpu_per_1k_steady")
+        lines.append(f"| {c} | {ttft_ms:g} ms, {late(c)} late | {fmt(bt, 2)} | {fmt(kt, 2)} | {fmt(kt - bt, 2)} | "
+                     f"{fmt(med('bare', c, 'tpot_p50'), 3)} | {fmt(med('kvcap', c, 'tpot_p50'), 3)} | {fmt(bc, 4)} | "
+                     f"{fmt(kc, 4)} | {fmt(kc / bc, 2) + '×' if bc else '—'} |")
+    if not lines:
+        return ""
+    return ("| streams | server TTFT, sends >1 ms late | bare TTFT p50 | kvcap TTFT p50 | Δ ms | bare TPOT p50 | "
+            "kvcap TPOT p50 | bare CPU s/1k | kvcap CPU s/1k | CPU ratio |\n|---|---|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(lines))
+
+
 # -------------------------------------------------------------------------------------------------------- main
 
 def setup_guidellm(venv: Path) -> None:
@@ -561,9 +624,10 @@ def setup_guidellm(venv: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tools", default="kvcap,guidellm", help="comma list of kvcap, guidellm")
-    p.add_argument("--streams", default=None, help="concurrency levels (default 64,256,1024; --quick 64,256)")
-    p.add_argument("--quick", action="store_true", help="warm-up 1 s, 4 s measured, 64 and 256 streams")
+    p.add_argument("--tools", default="kvcap,bare,guidellm", help="comma list of kvcap, bare, guidellm")
+    p.add_argument("--streams", default=None, help="concurrency levels (default 32,256,1024; --quick 32,256)")
+    p.add_argument("--quick", action="store_true", help="warm-up 1 s, 4 s measured, 32 and 256 streams")
+    p.add_argument("--rounds", type=int, default=1, help="alternate the tools this many times per level")
     p.add_argument("--warmup", type=float, default=None, help="seconds per level not measured (2; --quick 1)")
     p.add_argument("--duration", type=float, default=None, help="measured seconds per level (10; --quick 4)")
     p.add_argument("--input-tokens", type=int, default=128)
@@ -590,9 +654,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     for t in tools:
-        if t not in ("kvcap", "guidellm"):
+        if t not in ("kvcap", "bare", "guidellm"):
             p.error(f"unknown tool {t!r}")
-    streams = [int(x) for x in (args.streams or ("64,256" if args.quick else "64,256,1024")).split(",")]
+    streams = [int(x) for x in (args.streams or ("32,256" if args.quick else "32,256,1024")).split(",")]
     args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)
     args.duration = args.duration if args.duration is not None else (4.0 if args.quick else 10.0)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -621,13 +685,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.duration:g}s measured; streams {streams}; tools {tools}; results in {out}", flush=True)
     try:
         for c in streams:
-            for tool in tools:
+            for tool, rnd in ((t, k) for k in range(args.rounds) for t in tools):
                 best: Result | None = None
                 for attempt in range(args.retries + 1):
-                    run_dir = out / (f"{tool}-{c}" + (f"-retry{attempt}" if attempt else ""))
+                    run_dir = out / (f"{tool}-{c}" + (f"-round{rnd}" if rnd else "") + (f"-retry{attempt}" if attempt else ""))
                     res = one_run(args, tool, c, run_dir)
                     status = "ok" if res.ok else f"FAILED: {res.problem}"
-                    print(f"  {tool:8s} {c:5d} streams: {fmt(res.tok_s, 0)} tok/s, "
+                    print(f"  {tool:8s} {c:5d} streams: {fmt(res.tok_s, 0)} tok/s, TTFT p50 {fmt(res.ttft_p50, 2)} ms, "
                           f"{fmt(res.cpu_per_1k_steady, 4)} CPU s/1k tok steady, {fmt(res.cpu_per_1k_run, 4)} whole "
                           f"run, client {fmt(res.client_cores, 2)} cores, server {fmt(res.server_cores, 2)} cores, "
                           f"softirq {fmt(res.softirq_cores, 2)}, other {fmt(res.other_cores, 2)} cores [{status}]",
@@ -666,6 +730,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{meta['date']}, {meta['cpus']} CPUs, guidellm {meta['guidellm_version']}, fake server TTFT {ttft} / "
           f"ITL {itl}, {args.input_tokens} in / {L} out, {args.warmup:g}s warm-up + {args.duration:g}s measured")
     print(table(results))
+    v = versus_bare(results, args.ttft_ms)
+    if v:
+        print()
+        print(v)
     r = ratios(results)
     if r:
         print()

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvcap import procs
 from kvcap.analysis.slo import parse_slo
-from kvcap.errors import InputError
+from kvcap.errors import EndpointError, InputError
 from kvcap.loadgen.bench import BenchConfig, run_bench
 from kvcap.loadgen.client import Target
 from kvcap.loadgen.runner import Progress
@@ -142,10 +142,12 @@ async def run_experiment(exp: Experiment, out: Path, progress: Progress | None =
             t0 = time.time()
             if arm.command:
                 with ManagedServer(arm, out / f"{arm.name}.server.log"):
-                    await run_bench(cfg, progress, stop)
+                    summary = await run_bench(cfg, progress, stop)
             else:
-                await run_bench(cfg, progress, stop)
+                summary = await run_bench(cfg, progress, stop)
             order.append({"arm": arm.name, "repeat": repeat, "started_at": t0, "ended_at": time.time()})
+            if summary.get("failed"):  # a broken arm makes no comparison: stop here, its records kept
+                raise EndpointError(f"arm {arm.name}, repeat {repeat}: {summary['failed']}")
     for arm in exp.arms:
         mpath = out / arm.name / MANIFEST
         if mpath.exists():

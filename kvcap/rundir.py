@@ -148,14 +148,19 @@ class RunWriter:
 
     def __init__(self, out: str | Path, overwrite: bool = False, append: bool = False):
         self.dir = Path(out)
-        if (self.dir / REQUESTS).exists() and not (overwrite or append):
-            raise InputError(f"{str(self.dir)!r} already holds a run: choose another --out (or --overwrite)")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.check_destination(self.dir, overwrite, append)
         if not append:
             for name in (MANIFEST, REQUESTS, LEVELS, TELEMETRY, SUMMARY):
                 (self.dir / name).unlink(missing_ok=True)
         self._files: dict[str, IO[str]] = {}
         self.records = 0
+
+    @staticmethod
+    def check_destination(out: Path, overwrite: bool = False, append: bool = False) -> None:
+        """Fail on a bad ``--out`` (bad input) before anything else, without touching a run already there."""
+        if (out / REQUESTS).exists() and not (overwrite or append):
+            raise InputError(f"{str(out)!r} already holds a run: choose another --out (or --overwrite)")
+        out.mkdir(parents=True, exist_ok=True)
 
     def _file(self, name: str) -> IO[str]:
         f = self._files.get(name)

@@ -122,7 +122,8 @@ def test_serve_sim_stats_count_what_was_sent(serve_sim):
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["max_running"] == 1  # one request at a time
     assert stats["faults_injected"] == {} and stats["engine_steps"] is None
     assert stats["config"] == {"model_name": "llama-2-7b", "tokens_per_chunk": 1, "eos_after": None,
-                               "max_model_len": 4096, "mode": "simulated"}
+                               "max_model_len": 4096, "tokenizer": "words", "prompt_overhead": 0, "tokenize": True,
+                               "mode": "simulated"}
 
 
 def test_real_time_sim_is_an_engine():

@@ -319,7 +319,8 @@ def test_server_config_builds_its_parts() -> None:
         "model_name": "tiny", "ttft_s": 0.05, "itl_s": 0.02, "tokens_per_chunk": 3, "eos_after": 7, "slots": 2,
         "step_a_s": 0.02, "step_b_s": 0.0, "prefill_per_token_s": 0.0,
         "faults": [{"kind": "reset", "every": 2, "offset": 0, "after": 2}], "close_after_response": False,
-        "max_model_len": 99, "stall_max_s": 600.0, "mode": "batching"}
+        "max_model_len": 99, "stall_max_s": 600.0, "tokenizer": "words", "prompt_overhead": 0, "tokenize": True,
+        "mode": "batching"}
     assert ServerConfig().as_json()["mode"] == "fixed"
 
 

@@ -80,13 +80,14 @@ def test_same_bodies_everywhere_fresh_nonce_per_level_repeat_and_run():
     assert a.identity() == b.identity() != make("run-a", seed=1).identity()
     p = {(lvl, rep): a.request(5, level=lvl, repeat=rep).prompt for lvl in (1, 2) for rep in (0, 1)}
     assert len(set(p.values())) == 4  # a prompt cache cannot carry work from one level or repeat to the next
-    bodies = {x.split(":", 1)[1] for x in p.values()}
+    bodies = {" ".join(x.split()[4:]) for x in p.values()}  # after the lead word and the three-word nonce
     assert len(bodies) == 1  # ... but the request is the same request
     assert a.request(5, 1).prompt != b.request(5, 1).prompt
     shared = PromptFactory(seed=0, input_dist=parse_length(40), output_dist=parse_length(4), run_id="x",
                            prefix_tokens=10, prefix_groups=2)
     r0, r2 = shared.request(0, 1).prompt.split(), shared.request(2, 1).prompt.split()
-    assert r0[:11] == r2[:11] and r0 != r2  # same group: the shared prefix is identical
+    assert r0[:14] == r2[:14] and r0 != r2  # same group: lead, level tag (3 words) and prefix (10) are identical
+    assert r0[4:14] != shared.request(1, 1).prompt.split()[4:14]  # another group, another prefix
 
 
 def test_dataset_rows(tmp_path):

@@ -12,8 +12,9 @@ import numpy as np
 
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
 from kvcap.analysis.diagnosis import diagnose
+from kvcap.analysis.lengths import input_length_warnings
 from kvcap.analysis.stats import check_slo, level_key, summarize_level
-from kvcap.analysis.telemetry import add, dedupe_sources, imbalance, node_figures, nodes, series, within
+from kvcap.analysis.telemetry import add, dedupe_sources, imbalance, node_figures, nodes, series, servers, within
 from kvcap.rundir import RunDir
 from kvcap.specs.load import LIMIT_RULE
 
@@ -31,6 +32,7 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
     kv_usage = series(telemetry, "server.kv_usage")
     net_rx, net_tx = series(telemetry, "net.rx_bytes_s"), series(telemetry, "net.tx_bytes_s")
     node_names = nodes(telemetry)
+    n_servers = servers(telemetry)
     by_level: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         by_level[level_key(r)].append(r)
@@ -82,7 +84,8 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
                 entry[key] = round(float(fn(vals)), 4)
         if node_names:
             entry["nodes"] = node_figures(telemetry, w0, w1)
-            hot = imbalance(entry["nodes"])
+            hot = imbalance(entry["nodes"], replicas=n_servers,
+                            in_flight=value if mode == "concurrency" else stats.get("in_flight_mean"))
             if hot:
                 entry["imbalance"] = hot
         p = within(preempt, w0, w1)
@@ -98,6 +101,7 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
     if parked:
         summary["capacity"]["resident_source"] = "telemetry:running+parked"
     summary["diagnosis"] = diagnose(summary, run.manifest.get("arm") or "run")
+    summary["warnings"] = input_length_warnings(run.manifest, levels)
     return summary
 
 

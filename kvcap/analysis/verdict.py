@@ -7,11 +7,13 @@ interval includes zero is not a gain.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from kvcap.analysis.diagnosis import diagnose
+from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
 from kvcap.analysis.stats import level_key, meets_request_slo, tokens_in_window
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
@@ -20,21 +22,68 @@ NOT_FIXED = {"target.url"}
 """Keys that are expected to differ between arms (two servers) and are not fixed variables."""
 BOOTSTRAP = 400
 
+MEASURED_INPUT = "requests.input_tokens_mean"
+"""Not a manifest key: each arm's mean input tokens as its records (the server's usage) say."""
+_LENGTH_SOURCES = ("workload.input_tokens", "workload.dataset", "workload.tokenizer", "load.seed", "load.mode",
+                   "load.trace_rows")
+DERIVED: dict[str, tuple[str, ...]] = {
+    "workload.prompt_set": ("workload.input_tokens", "workload.dataset", "workload.prefix_tokens",
+                            "workload.prefix_groups", "load.seed"),
+    "workload.input_tokens_measured": _LENGTH_SOURCES,
+    MEASURED_INPUT: _LENGTH_SOURCES,
+    "workload.input_tokens": ("workload.dataset",),  # a dataset's prompts have no asked length
+    "load.concurrency": ("load.mode",), "load.rate": ("load.mode",), "load.arrival": ("load.mode",),
+    "load.trace": ("load.mode", "load.trace_speed"),  # the trace mode's one level is its speed
+    "load.trace_speed": ("load.mode",), "load.trace_rows": ("load.mode",),
+    "load.trace_requests": ("load.mode", "load.trace_rows"),
+}
+"""Keys that follow others: a difference in one is accepted when a key it derives from differs and is accepted
+(allowed or under test), so ``--allow-diff workload.input_tokens`` also accepts the prompt set and the measured
+lengths that come with it."""
+WITHIN_TOLERANCE = {"workload.input_tokens_measured", MEASURED_INPUT}
+"""Measured figures: equal within :data:`kvcap.analysis.lengths.TOLERANCE`, unknown (None) on either side is no
+difference (the other measured key still speaks)."""
 
-def same_caliber(control: dict[str, Any], treatment: dict[str, Any], allow: set[str]) -> dict[str, Any]:
-    """Every fixed variable must match except those under test or explicitly allowed."""
-    fc, ft = control.get("fixed") or {}, treatment.get("fixed") or {}
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if key in WITHIN_TOLERANCE:
+        return a is None or b is None or relative_gap(float(a), float(b)) <= TOLERANCE
+    return a == b
+
+
+def same_caliber(control: dict[str, Any], treatment: dict[str, Any], allow: set[str],
+                 measured: Mapping[str, tuple[Any, Any]] | None = None) -> dict[str, Any]:
+    """Every fixed variable must match except those under test or explicitly allowed, and the keys derived from
+    those (:data:`DERIVED`); ``measured`` adds figures from the records, ``{key: (control, treatment)}``."""
+    fc, ft = dict(control.get("fixed") or {}), dict(treatment.get("fixed") or {})
+    for key, (a, b) in (measured or {}).items():
+        fc[key], ft[key] = a, b
     under_test = set(control.get("under_test") or []) | set(treatment.get("under_test") or [])
-    diffs, tolerated = [], []
+    accepted = allow | under_test
+
+    def tolerated(key: str) -> bool:
+        return key in accepted or any(fc.get(src) != ft.get(src) and tolerated(src) for src in DERIVED.get(key, ()))
+
+    diffs, allowed = [], []
     for key in sorted(set(fc) | set(ft)):
         if key in NOT_FIXED:
             continue
         a, b = fc.get(key), ft.get(key)
-        if a != b:
-            item = {"key": key, "control": a, "treatment": b}
-            (tolerated if key in allow or key in under_test else diffs).append(item)
-    return {"equal": not diffs, "differences": diffs, "allowed_differences": tolerated,
+        if not _same(key, a, b):
+            item: dict[str, Any] = {"key": key, "control": a, "treatment": b}
+            if key in WITHIN_TOLERANCE:
+                item["tolerance"] = TOLERANCE
+            (allowed if tolerated(key) else diffs).append(item)
+    return {"equal": not diffs, "differences": diffs, "allowed_differences": allowed,
             "under_test": sorted(under_test)}
+
+
+def input_lengths(manifest: Mapping[str, Any], summary: Mapping[str, Any]) -> dict[str, Any]:
+    """One arm's input lengths: asked (mean of the spec), measured before the run (manifest) and by its records."""
+    fixed = manifest.get("fixed") or {}
+    return {"asked_mean": asked_mean(manifest), "calibrated_mean": fixed.get("workload.input_tokens_measured"),
+            "records_mean": levels_input_mean(summary.get("levels") or []),
+            "method": ((manifest.get("server") or {}).get("input_lengths") or {}).get("method")}
 
 
 def _good_tokens(run: RunDir, slo: dict[str, float]) -> dict[float, list[np.ndarray]]:
@@ -78,9 +127,11 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
             allow: set[str] | None = None, seed: int = 0) -> dict[str, Any]:
     rc, rt = RunDir(control_dir), RunDir(treatment_dir)
     mc, mt = rc.manifest, rt.manifest
-    caliber = same_caliber(mc, mt, allow or set())
     slo = slo if slo is not None else (mc.get("slo") or mt.get("slo") or {})
     sc, st = build_summary(rc, slo), build_summary(rt, slo)
+    lengths = {"control": input_lengths(mc, sc), "treatment": input_lengths(mt, st)}
+    caliber = same_caliber(mc, mt, allow or set(), measured={
+        MEASURED_INPUT: (lengths["control"]["records_mean"], lengths["treatment"]["records_mean"])})
     rng = np.random.default_rng(seed)
     gc, gt = _good_tokens(rc, slo), _good_tokens(rt, slo)
     arms = {}
@@ -117,7 +168,8 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     if not caliber["equal"]:
         warnings.append("fixed variables differ: " + ", ".join(d["key"] for d in caliber["differences"]))
     return {"verdict": verdict, "control": arms["control"], "treatment": arms["treatment"],
-            "goodput_gain": gain, "efficiency": efficiency, "fixed_variables": caliber, "slo": slo,
+            "goodput_gain": gain, "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths,
+            "slo": slo,
             "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
             "diagnosis": diagnose(sc, "control") + diagnose(st, "treatment"),
             "summaries": {"control": sc, "treatment": st}}

@@ -2,7 +2,8 @@
 
 Each command family is one module of this package with a `register(subparsers)` that adds its parsers (each
 parser's `func` is the module's handler); `common` holds what they share. Bad input of any kind ends in one line
-on stderr and exit code 2; a refused comparison exits 3.
+on stderr and exit code 2; a refused comparison exits 3; an endpoint that cannot serve the run (down, wrong
+model) and a run that failed as a whole (stopped by the error rule, no request succeeded) exit 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from kvcap import __version__
 from kvcap.cli import ab, audit, bench, demo, judge, plan, report, sim
 from kvcap.cli.common import Parser, doc, formatter
-from kvcap.errors import InputError, RefusedComparison
+from kvcap.errors import EndpointError, InputError, RefusedComparison
 
 COMMAND_MODULES = (plan, bench, sim, judge, ab, report, audit, demo)
 """Every command family, in the order `kvcap --help` lists their commands. A new command: a module, named here."""
@@ -48,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" {exc.filename!r}" if getattr(exc, "filename", None) else ""
         print(f"kvcap {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
+    except EndpointError as exc:
+        print(f"kvcap {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except RefusedComparison as exc:
         print(f"kvcap {args.command}: refused: {exc}", file=sys.stderr)
         return 3

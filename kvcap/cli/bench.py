@@ -35,7 +35,11 @@ def register(sub: common.Subparsers) -> None:
             Sweeps load levels against a real endpoint and records every request (requests.jsonl, appended as each
             finishes), the level windows (levels.jsonl), server metrics (telemetry.jsonl), the fixed variables
             (manifest.json) and per-level statistics (summary.json). Open-loop latency counts from the scheduled
-            send time. Ctrl-C stops within seconds and still writes the summary.
+            send time. Ctrl-C stops within seconds and still writes the summary (exit 130).
+            Before any load, the endpoint is checked (/v1/models, else one 1-token request): down, or not serving
+            --model, is one line and exit 1. A closed-loop stream backs off after failures (10 ms doubling to 1 s),
+            and the run stops when --max-error-rate of a level's last --error-window requests failed: exit 1, as
+            when no request succeeded; summary.json says why ("stopped", "failed").
         """), epilog=BENCH_EXAMPLES, formatter_class=common.formatter)
     _add_target_flags(p.add_argument_group("target"))
     _add_load_flags(p.add_argument_group("load (one of --concurrency, --rate, --trace)"))
@@ -74,6 +78,10 @@ def _add_load_flags(g: common.Flags) -> None:
     g.add_argument("--max-inflight", type=common.positive_int, default=20_000,
                    help="open-loop cap on streams in flight")
     g.add_argument("--workers", type=common.positive_int, default=1, help="client processes on this host (1)")
+    g.add_argument("--max-error-rate", default="90%", metavar="RATE|off",
+                   help="stop the run when this share of a level's last --error-window requests failed (90%%)")
+    g.add_argument("--error-window", type=common.positive_int, default=50, metavar="N",
+                   help="requests the error rule looks back over (50); a level with fewer is never stopped")
 
 
 def _add_request_flags(g: common.Flags) -> None:
@@ -165,7 +173,20 @@ def _bench_config(a: argparse.Namespace) -> Any:
                        unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
                        prometheus=_prometheus_url(a.prometheus), local_telemetry=a.local_telemetry,
                        slo=parse_slo(a.slo), workers=a.workers, overwrite=a.overwrite, arm=a.arm, fixed=fixed,
-                       record_text=a.record_text, under_test=sorted(vary))
+                       record_text=a.record_text, under_test=sorted(vary), error_rule=_error_rule(a))
+
+
+def _error_rule(a: argparse.Namespace) -> Any:
+    """--max-error-rate / --error-window as the rule that stops a run against a failing endpoint."""
+    from kvcap.loadgen.guard import ErrorRule
+    from kvcap.units import parse_fraction
+
+    if a.max_error_rate.strip().lower() in ("off", "none"):
+        return ErrorRule(max_error_rate=None, window=a.error_window)
+    rate = parse_fraction(a.max_error_rate, "--max-error-rate")
+    if rate <= 0:
+        raise InputError("--max-error-rate must be above 0 (or 'off' to never stop)")
+    return ErrorRule(max_error_rate=rate, window=a.error_window)
 
 
 def _load_spec(a: argparse.Namespace) -> Any:
@@ -220,6 +241,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         common.print_json(summary)
     else:
         render_levels(summary, title=f"kvcap bench → {cfg.out}")
+    for warning in summary.get("warnings") or []:
+        print(f"kvcap bench: warning: {warning}", file=sys.stderr)
+    if summary.get("failed"):
+        print(f"kvcap bench: {summary['failed']}", file=sys.stderr)
     return common.exit_status(summary)
 
 

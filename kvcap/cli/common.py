@@ -165,8 +165,11 @@ def allowed_differences(text: str | None) -> set[str]:
 
 
 def exit_status(summary: dict[str, Any]) -> int:
-    """130 (as after Ctrl-C) when the run was interrupted, else 0."""
-    return 130 if summary.get("interrupted") else 0
+    """130 (as after Ctrl-C) when the run was interrupted; 1 when it failed as a whole (``summary["failed"]``:
+    stopped by the error rule, or no request succeeded — the records are kept, the sweep is not a result); else 0."""
+    if summary.get("interrupted"):
+        return 130
+    return 1 if summary.get("failed") else 0
 
 
 def on_stop_signals(callback: Callable[[], None]) -> None:

@@ -23,7 +23,7 @@ examples:
   kvcap compare runs/vram-only runs/offload --allow-diff serving.kv_offload --json
 """
 
-KEPT_SUMMARY_KEYS = ("client", "interrupted", "telemetry_samples", "sim", "prometheus")
+KEPT_SUMMARY_KEYS = ("client", "interrupted", "stopped", "failed", "telemetry_samples", "sim", "prometheus")
 """What only the recording command knew: analyze carries these over from the run's old summary."""
 
 

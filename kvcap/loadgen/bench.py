@@ -4,6 +4,7 @@ in worker processes), sample server metrics, and summarise what finished (also a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import multiprocessing as mp
 import queue
 import socket
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from kvcap.analysis.summary import build_summary
 from kvcap.loadgen.client import Target
+from kvcap.loadgen.guard import ErrorRule, run_failure
+from kvcap.loadgen.lengths import InputLengths, calibrate
+from kvcap.loadgen.preflight import probe_server
 from kvcap.loadgen.runner import LoadPlan, NoProgress, Progress, Runner, make_session
 from kvcap.rundir import SUMMARY, Manifest, RunDir, RunWriter, write_json_atomic
 from kvcap.specs.lengths import LengthDist
@@ -57,49 +59,11 @@ class BenchConfig:
     """Add this run's repeats to an existing run directory (same manifest), as ``ab`` does between arms."""
     origin: float | None = None
     """perf_counter origin shared by every part of one experiment, so appended repeats share one time axis."""
+    error_rule: ErrorRule = field(default_factory=ErrorRule)
+    """When the run stops itself against a failing endpoint (kvcap.loadgen.guard)."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-
-
-async def probe_server(target: Target) -> dict[str, Any]:
-    """Best-effort facts about the server for the manifest: models, version, engine, llama.cpp props."""
-    base = target.url.rstrip("/")
-    for suffix in ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions", "/v1"):
-        if base.endswith(suffix):
-            base = base[: -len(suffix)]
-            break
-    info: dict[str, Any] = {}
-    timeout = aiohttp.ClientTimeout(total=5)
-    async with aiohttp.ClientSession(timeout=timeout, headers=target.headers) as s:
-        for path in ("/v1/models", "/version", "/props"):
-            try:
-                async with s.get(base + path) as r:
-                    if r.status != 200:
-                        continue
-                    if "server" not in info and r.headers.get("Server"):
-                        info["server_header"] = r.headers["Server"]
-                    data = await r.json(content_type=None)
-            except Exception:
-                continue
-            if path == "/v1/models" and isinstance(data, dict):
-                models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-                info["models"] = models
-                first = (data.get("data") or [{}])[0]
-                if isinstance(first, dict) and first.get("max_model_len"):
-                    info["max_model_len"] = first["max_model_len"]
-                if isinstance(first, dict) and first.get("owned_by"):
-                    info["owned_by"] = first["owned_by"]
-            elif path == "/version" and isinstance(data, dict):
-                info["version"] = data.get("version")
-            elif path == "/props" and isinstance(data, dict):
-                info["engine"] = "llama.cpp"
-                info["version"] = info.get("version") or data.get("build_info")
-                info["total_slots"] = data.get("total_slots")
-                gen = data.get("default_generation_settings") or {}
-                info["n_ctx"] = gen.get("n_ctx") or data.get("n_ctx")
-    owned = str(info.get("owned_by", ""))
-    if "engine" not in info:
-        info["engine"] = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}.get(owned, owned or "unknown")
-    return info
+    lengths: InputLengths | None = None
+    """How prompts are sized to the server's count (kvcap.loadgen.lengths), set before the sweep; workers get it."""
 
 
 def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, started: float,
@@ -109,6 +73,7 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
         "target.url": t.endpoint, "target.api": t.api, "model.name": t.model,
         "server.engine": server.get("engine"), "server.version": server.get("version"),
         "workload.input_tokens": cfg.input_dist.spec if cfg.dataset is None else None,
+        "workload.input_tokens_measured": cfg.lengths.measured_mean if cfg.lengths else None,
         "workload.output_tokens": cfg.output_dist.spec,
         "workload.dataset": cfg.dataset, "workload.prefix_tokens": cfg.prefix_tokens,
         "workload.prefix_groups": cfg.prefix_groups, "workload.unique_prefix": cfg.unique_prefix,
@@ -119,27 +84,40 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
         "client.host": socket.gethostname(), "client.workers": cfg.workers,
         **cfg.plan.manifest(), **cfg.fixed,
     }
+    if cfg.plan.mode == "trace":
+        fixed["load.trace_rows"] = hashlib.sha256(repr(cfg.plan.trace).encode()).hexdigest()[:16]
+    if cfg.lengths is not None:
+        server = {**server, "input_lengths": cfg.lengths.report}
     return Manifest(source="bench", run_id=cfg.run_id, started_at=started, fixed=fixed, server=server, arm=cfg.arm,
                     slo=cfg.slo, under_test=cfg.under_test, header_names=sorted(t.headers),
                     clock={"epoch_at_origin": epoch_at_origin})
 
 
-def _factory(cfg: BenchConfig, counter: TokenCounter) -> PromptFactory:
+def _factory(cfg: BenchConfig, counter: TokenCounter, lengths: InputLengths | None = None) -> PromptFactory:
+    """The run's prompts: sized by the server's word costs and overhead when ``lengths`` (else ``cfg.lengths``)
+    has them, else by ``counter`` (a local tokenizer, or one word one token)."""
     dataset = load_dataset(cfg.dataset) if cfg.dataset else None
+    lengths = lengths or cfg.lengths or InputLengths()
+    if lengths.costs is not None:
+        counter = TokenCounter(costs=lengths.costs)
     return PromptFactory(seed=cfg.plan.seed, input_dist=cfg.input_dist, output_dist=cfg.output_dist,
                          counter=counter, prefix_tokens=cfg.prefix_tokens, prefix_groups=cfg.prefix_groups,
-                         unique_prefix=cfg.unique_prefix, run_id=cfg.run_id, dataset=dataset)
+                         unique_prefix=cfg.unique_prefix, run_id=cfg.run_id, dataset=dataset,
+                         overhead=lengths.overhead)
 
 
 async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: asyncio.Event | None = None,
                     extra_sampler_urls: list[str] | None = None) -> dict[str, Any]:
     """Run the whole sweep; returns the summary (also written to ``summary.json``)."""
     counter = TokenCounter(cfg.tokenizer)
-    factory = _factory(cfg, counter)
-    writer = RunWriter(cfg.out, overwrite=cfg.overwrite, append=cfg.append)
-    server = await probe_server(cfg.target)
+    RunWriter.check_destination(cfg.out, cfg.overwrite, cfg.append)
+    server = await probe_server(cfg.target)  # before the run directory is emptied: a dead endpoint keeps the old run
     if cfg.target.model is None and server.get("models"):
         cfg.target = replace(cfg.target, model=server["models"][0])
+    cfg.lengths = await calibrate(cfg.target, server, lambda lengths: _factory(cfg, counter, lengths), cfg.plan,
+                                  local_tokenizer=cfg.tokenizer is not None)
+    factory = _factory(cfg, counter)
+    writer = RunWriter(cfg.out, overwrite=cfg.overwrite, append=cfg.append)
     started = time.time()
     origin = cfg.origin if cfg.origin is not None else time.perf_counter()
     epoch_at_origin = time.time() - (time.perf_counter() - origin)
@@ -148,6 +126,7 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     stop = stop or asyncio.Event()
     client_stats: list[dict[str, Any]] = []
     interrupted = False
+    stopped: dict[str, Any] | None = None
     session = make_session()
     sampler = MetricsSampler(cfg.metrics_urls + (extra_sampler_urls or []), writer.telemetry,
                              clock=lambda: time.perf_counter() - origin)
@@ -164,12 +143,14 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
         if cfg.workers <= 1:
             runner = Runner(target=cfg.target, plan=cfg.plan, factory=factory, sink=writer, counter=counter,
                             progress=progress or NoProgress(), origin=origin, stop=stop,
-                            keep_texts=cfg.record_text)
+                            keep_texts=cfg.record_text, rule=cfg.error_rule)
             await runner.run(session)
             client_stats = runner.client_stats
             interrupted = runner.interrupted or stop.is_set()
+            stopped = runner.stopped
         else:
-            client_stats, interrupted = await _run_workers(cfg, writer, progress or NoProgress(), origin, stop)
+            client_stats, interrupted, stopped = await _run_workers(cfg, writer, progress or NoProgress(), origin,
+                                                                    stop)
     finally:
         if sampler.urls:
             await sampler.stop(session)
@@ -182,6 +163,8 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     if prom:
         summary["prometheus"] = prom
     summary["interrupted"] = interrupted
+    summary["stopped"] = stopped
+    summary["failed"] = run_failure(summary)
     summary["client"] = _client_summary(client_stats)
     summary["telemetry_samples"] = sampler.samples
     write_json_atomic(cfg.out / SUMMARY, summary)
@@ -218,9 +201,12 @@ def _client_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- worker processes
 
-def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, barrier: Any, stop_flag: Any) -> None:
-    """A worker process: its share of every level, records sent to the parent, SIGINT left to the parent."""
+def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, barrier: Any, stop_flag: Any,
+                 halt_flag: Any) -> None:
+    """A worker process: its share of every level, records sent to the parent, SIGINT left to the parent; a halt
+    (another worker's error rule tripped) ends the level it is in and the sweep."""
     import signal
+    import threading
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -234,12 +220,12 @@ def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, bar
     async def main() -> None:
         counter = TokenCounter(cfg.tokenizer)
         factory = _factory(cfg, counter)
-        stop = asyncio.Event()
+        stop, halt = asyncio.Event(), asyncio.Event()
 
         async def watch() -> None:
-            while not stop_flag.is_set():
+            while not stop_flag.is_set() and not halt_flag.is_set():
                 await asyncio.sleep(0.1)
-            stop.set()
+            (stop if stop_flag.is_set() else halt).set()
 
         watcher = asyncio.create_task(watch())
         session = make_session()
@@ -247,14 +233,19 @@ def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, bar
         try:
             for repeat in range(cfg.plan.first_repeat, cfg.plan.first_repeat + cfg.plan.repeats):
                 for level in cfg.plan.levels:
-                    await loop.run_in_executor(None, barrier.wait)
-                    if stop.is_set():
+                    try:
+                        await loop.run_in_executor(None, barrier.wait)
+                    except threading.BrokenBarrierError:  # the parent stopped the sweep
+                        return
+                    if stop.is_set() or halt.is_set():
                         return
                     one = replace(cfg.plan, levels=(level,), repeats=1)
                     runner = Runner(target=cfg.target, plan=one, factory=factory, sink=QueueSink(), counter=counter,
                                     worker=w, workers=cfg.workers, origin=origin, stop=stop,
-                                    keep_texts=cfg.record_text)
+                                    keep_texts=cfg.record_text, rule=cfg.error_rule, halt=halt)
                     await runner.run_level(session, level, repeat)
+                    if halt.is_set():
+                        return
         finally:
             watcher.cancel()
             await session.close()
@@ -264,18 +255,21 @@ def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, bar
 
 
 async def _run_workers(cfg: BenchConfig, writer: RunWriter, progress: Progress, origin: float,
-                       stop: asyncio.Event) -> tuple[list[dict[str, Any]], bool]:
-    """Spread each level over ``cfg.workers`` processes on this host (perf_counter is system-wide monotonic)."""
+                       stop: asyncio.Event) -> tuple[list[dict[str, Any]], bool, dict[str, Any] | None]:
+    """Spread each level over ``cfg.workers`` processes on this host (perf_counter is system-wide monotonic).
+    Each worker judges its own share by the error rule; the first to trip halts them all (the verdict is returned)."""
     ctx = mp.get_context("spawn")
     records: mp.Queue = ctx.Queue()
     barrier = ctx.Barrier(cfg.workers)
-    stop_flag = ctx.Event()
-    procs = [ctx.Process(target=_worker_main, args=(cfg, w, origin, records, barrier, stop_flag), daemon=True)
+    stop_flag, halt_flag = ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=_worker_main, args=(cfg, w, origin, records, barrier, stop_flag, halt_flag),
+                         daemon=True)
              for w in range(cfg.workers)]
     for p in procs:
         p.start()
     pending_levels: dict[tuple[float, int], list[dict[str, Any]]] = {}
     client_stats: list[dict[str, Any]] = []
+    stopped: dict[str, Any] | None = None
     done = 0
     level_started: set[tuple[float, int]] = set()
     loop = asyncio.get_running_loop()
@@ -301,6 +295,10 @@ async def _run_workers(cfg: BenchConfig, writer: RunWriter, progress: Progress, 
             key = (payload["level"], payload["repeat"])
             pending_levels.setdefault(key, []).append(payload)
             client_stats.append(payload["client"])
+            if payload.get("stopped") and stopped is None:
+                stopped = payload["stopped"]
+                halt_flag.set()
+                barrier.abort()
             if len(pending_levels[key]) == cfg.workers:
                 merged = merge_level_infos(pending_levels.pop(key))
                 writer.level(merged)
@@ -313,7 +311,7 @@ async def _run_workers(cfg: BenchConfig, writer: RunWriter, progress: Progress, 
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
-    return client_stats, stop.is_set()
+    return client_stats, stop.is_set(), stopped
 
 
 def merge_level_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
@@ -327,6 +325,8 @@ def merge_level_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
     if all(i.get("achieved_rate") is not None for i in infos):
         first["achieved_rate"] = round(sum(i["achieved_rate"] for i in infos), 4)
     first["late_sends"] = sum(i.get("late_sends", 0) for i in infos)
+    first["backoff_s"] = round(sum(i.get("backoff_s", 0.0) for i in infos), 3)
+    first["stopped"] = next((i["stopped"] for i in infos if i.get("stopped")), None)
     first["workers"] = len(infos)
     first["client"] = {"per_worker": [i["client"] for i in infos],
                        "warnings": sorted({w for i in infos for w in i["client"].get("warnings", [])})}

@@ -3,7 +3,9 @@
 Why it is written the way it is:
 - the clock (``time.perf_counter``, monotonic) is read once per received network chunk, before parsing, so
   parsing cost never inflates a latency; events that arrived in one chunk honestly share a timestamp;
-- latency counts from the *scheduled* start the caller passes in (open loop: no coordinated omission);
+- latency counts from the *scheduled* start the caller passes in (open loop: no coordinated omission), and the
+  request's bytes are written synchronously right after ``t_sent`` is read (:mod:`kvcap.loadgen.http`: no task
+  switch between the clock and the socket, none per received chunk);
 - the first *content* token ends TTFT (a chat stream's role-only first chunk does not);
 - a multi-token event contributes one ITL per token (its gap split evenly), so len(itl) = N − 1;
 - failures are classified per request and never raise into the runner (except cancellation, re-raised after
@@ -16,11 +18,13 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import aiohttp
 import orjson
 
+from kvcap.loadgen.http import ABORT, DRAIN, MORE, Endpoint, Pool, StaleConnection, endpoint, exchange, request_head
 from kvcap.rundir import RecordTags, RequestRecord, tpot_ms
 from kvcap.workload.prompts import RequestSpec, TokenCounter
 
@@ -171,61 +175,113 @@ def _r(x: float | None) -> float | None:
 
 
 def classify_exception(exc: BaseException) -> str:
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+    if isinstance(exc, asyncio.TimeoutError):
         return "timeout"
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return "http_5xx" if exc.status >= 500 else "http_4xx"
     return "connection"
 
 
-DRAIN_AFTER_DONE_S = 1.0
-_RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+STALE_BEFORE_CLOSE = 2
+"""Stale pooled connections seen before every later request asks for ``Connection: close``: one can be a server's
+idle timeout racing a send; more is a server that closes what it said to keep."""
 
 
 @dataclass
 class ConnectionPolicy:
     """Shared by a session's requests: once a server is seen closing pooled connections it said to keep
-    (llama.cpp), every later request asks for ``Connection: close`` instead of tripping over a dead socket."""
+    (llama.cpp), every later request asks for ``Connection: close`` instead of tripping over a dead socket. Only a
+    reused connection that died before any byte of its response counts — a reset or a stall in the middle of a
+    response is that request's failure and changes nothing for the others."""
 
     close: bool = False
     stale_seen: int = 0
 
 
-async def stream_request(session: aiohttp.ClientSession, target: Target, req: RequestSpec, o: Outcome,
+@lru_cache(maxsize=64)
+def _head(endpoint: Endpoint, headers: tuple[tuple[str, str], ...], length: int, close: bool) -> bytes:
+    return request_head(endpoint, {"Content-Type": "application/json", "Accept": "text/event-stream",
+                                   **dict(headers)}, length, close)
+
+
+class _Stream:
+    """The SSE side of one response: splits de-framed body pieces into events and times them into ``o``."""
+
+    __slots__ = ("buf", "chat", "error_body", "o")
+
+    def __init__(self, o: Outcome, chat: bool) -> None:
+        self.o, self.chat = o, chat
+        self.buf = b""
+        self.error_body: list[bytes] | None = None
+
+    def head(self, status: int, headers: dict[str, str]) -> None:
+        self.o.status = status
+        if status >= 400:
+            self.error_body = []
+
+    def body(self, now: float, piece: bytes) -> int:
+        """One body piece, received at ``now`` (read once per network chunk, before parsing)."""
+        if self.error_body is not None:
+            if sum(map(len, self.error_body)) < 4096:
+                self.error_body.append(piece)
+            return MORE
+        o = self.o
+        o.t_last = now
+        if b"\r" in piece:
+            piece = piece.replace(b"\r\n", b"\n")
+        buf = self.buf + piece if self.buf else piece
+        start = 0
+        while True:
+            cut = buf.find(b"\n\n", start)
+            if cut < 0:
+                break
+            event, start = buf[start:cut], cut + 2
+            if _handle_event(event, o, self.chat, now):
+                self.buf = b""
+                # done: read the body to its end so the connection goes back to the pool; failed: drop it
+                return DRAIN if o.done else ABORT
+        self.buf = buf[start:]
+        return MORE
+
+
+async def stream_request(session: Pool | aiohttp.ClientSession, target: Target, req: RequestSpec, o: Outcome,
                          clock: Callable[[], float], policy: ConnectionPolicy | None = None) -> Outcome:
     """Send one streaming request and time every event into ``o``.
 
-    Never raises except CancelledError; then ``o`` (which the caller holds) is marked ``cancelled``.
+    ``session`` is the runner's connection :class:`~kvcap.loadgen.http.Pool`; anything else (a one-off caller's
+    aiohttp session) gets a connection of its own, closed afterwards. Never raises except CancelledError; then
+    ``o`` (which the caller holds) is marked ``cancelled``.
     """
-    body = json.dumps(request_body(target, req))
-    base_headers = {"Content-Type": "application/json", "Accept": "text/event-stream", **target.headers}
-    timeout = aiohttp.ClientTimeout(total=target.timeout_s, sock_read=target.stall_timeout_s)
-    chat = target.api == "chat"
+    if not isinstance(session, Pool):
+        async with Pool() as pool:
+            return await stream_request(pool, target, req, o, clock, policy)
+    body = orjson.dumps(request_body(target, req))
+    stream = _Stream(o, target.api == "chat")
+    headers = tuple(target.headers.items())
+
+    def sent(t: float) -> None:
+        o.t_sent = t
+
     try:
+        ep = endpoint(target.endpoint)
         while True:
-            o.t_sent = clock()
-            headers = {**base_headers, "Connection": "close"} if policy is not None and policy.close else base_headers
+            close = policy is not None and policy.close
             try:
-                resp = await session.post(target.endpoint, data=body, headers=headers, timeout=timeout)
+                await exchange(session, ep, _head(ep, headers, len(body), close), body, clock, sent, stream.head,
+                               stream.body, target.timeout_s, target.stall_timeout_s, keep_alive=not close,
+                               fresh=o.retries > 0)
                 break
-            except _RETRYABLE as exc:
+            except StaleConnection as exc:
                 # a pooled connection the server had closed (llama.cpp says Keep-Alive, then closes): the request
                 # never reached it, so a retry is safe; latency still counts from the scheduled start
                 if o.retries >= 2 or policy is None:
                     raise
                 policy.stale_seen += 1
-                policy.close = True
+                policy.close = policy.stale_seen >= STALE_BEFORE_CLOSE
                 o.retries += 1
                 o.detail = f"retried after {type(exc).__name__}"
-        async with resp:
-            o.status = resp.status
-            if resp.status >= 400:
-                text = (await resp.text(errors="replace"))[:300]
-                o.error = "http_5xx" if resp.status >= 500 else "http_4xx"
-                o.detail = f"HTTP {resp.status}: {text}"
-                o.t_last = clock()
-                return o
-            await _read_events(resp, o, chat, clock)
+        if stream.error_body is not None:
+            o.error = "http_5xx" if (o.status or 0) >= 500 else "http_4xx"
+            o.detail = f"HTTP {o.status}: {b''.join(stream.error_body).decode(errors='replace')[:300]}"
+            o.t_last = clock()
     except asyncio.CancelledError:
         o.error = o.error or "cancelled"
         o.t_last = clock()
@@ -236,33 +292,6 @@ async def stream_request(session: aiohttp.ClientSession, target: Target, req: Re
             o.detail = f"{type(exc).__name__}: {exc}"[:300]
         o.t_last = clock()
     return o
-
-
-async def _read_events(resp: aiohttp.ClientResponse, o: Outcome, chat: bool, clock: Callable[[], float]) -> None:
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        now = clock()
-        o.t_last = now
-        if b"\r" in chunk:
-            chunk = chunk.replace(b"\r\n", b"\n")
-        buf += chunk
-        while True:
-            cut = buf.find(b"\n\n")
-            if cut < 0:
-                break
-            event, buf = buf[:cut], buf[cut + 2:]
-            if _handle_event(event, o, chat, now):
-                if o.done:  # read the body to its end so the connection goes back to the pool, not closed
-                    try:
-                        await asyncio.wait_for(_drain(resp), DRAIN_AFTER_DONE_S)
-                    except (asyncio.TimeoutError, aiohttp.ClientError):
-                        pass
-                return
-
-
-async def _drain(resp: aiohttp.ClientResponse) -> None:
-    async for _ in resp.content.iter_any():
-        pass
 
 
 def _handle_event(event: bytes, o: Outcome, chat: bool, now: float) -> bool:

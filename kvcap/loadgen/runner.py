@@ -9,6 +9,7 @@ server that falls behind shows up as latency, never as a silently lower rate (no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import time
@@ -19,8 +20,10 @@ from typing import Any, Protocol
 import aiohttp
 
 from kvcap.loadgen.client import READ_BUFSIZE, ConnectionPolicy, Outcome, Target, stream_request, to_record
+from kvcap.loadgen.guard import ErrorRule, ErrorWatch, backoff_s
+from kvcap.loadgen.http import Pool
 from kvcap.loadgen.monitor import LoopMonitor
-from kvcap.rundir import RecordTags
+from kvcap.rundir import RecordTags, RequestRecord
 from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 from kvcap.workload.prompts import PromptFactory, RequestSpec, TokenCounter
 
@@ -48,7 +51,8 @@ class NoProgress:
 
 
 def make_session(limit: int = 0) -> aiohttp.ClientSession:
-    """One pooled session: unlimited connections (a pool cap would under-fill the server's batch), big reads."""
+    """The session for a run's probes and telemetry (the measured requests go through the level's own
+    :class:`~kvcap.loadgen.http.Pool`): unlimited connections, big reads."""
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, ttl_dns_cache=300, enable_cleanup_closed=True,
                                      keepalive_timeout=30)
     return aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFSIZE, auto_decompress=False,
@@ -73,6 +77,15 @@ class Runner:
     client_stats: list[dict[str, Any]] = field(default_factory=list)
     interrupted: bool = False
     connections: ConnectionPolicy = field(default_factory=ConnectionPolicy)
+    pool: Pool | None = None
+    """The level's keep-alive connections (kvcap.loadgen.http), opened before it starts and closed after."""
+    rule: ErrorRule = field(default_factory=ErrorRule)
+    """When a level — and with it the run — stops itself (kvcap.loadgen.guard)."""
+    stopped: dict[str, Any] | None = None
+    """Why this runner's error rule stopped the run (``ErrorWatch.verdict``), or None."""
+    halt: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the run stops by the error rule — this runner's, or (shared between a worker's runners and set
+    from the parent) another worker's: the level stops issuing and drains, and no level follows."""
 
     def clock(self) -> float:
         return time.perf_counter() - self.origin
@@ -89,19 +102,26 @@ class Runner:
                     self.interrupted = True
                     return
                 await self.run_level(session, level, repeat)
+                if self.halt.is_set():
+                    return
 
     async def run_level(self, session: aiohttp.ClientSession, level: float, repeat: int) -> None:
         p = self.plan
         expected = (p.warmup_s + p.duration_s) if p.duration_s is not None else None
         self.progress.level_start(p.mode, level, repeat, expected)
-        monitor = LoopMonitor()
-        monitor.start()
-        t_start = self.clock()
-        if p.mode == "concurrency":
-            info = await self._closed(session, int(level), repeat, t_start)
-        else:
-            info = await self._open(session, level, repeat, t_start)
-        client = await monitor.stop()
+        self.pool = Pool()
+        try:
+            await self._prewarm(level)
+            monitor = LoopMonitor()
+            monitor.start()
+            t_start = self.clock()
+            if p.mode == "concurrency":
+                info = await self._closed(session, int(level), repeat, t_start)
+            else:
+                info = await self._open(session, level, repeat, t_start)
+            client = await monitor.stop()
+        finally:
+            self.pool.close()
         info.update({"mode": p.mode, "level": level, "repeat": repeat, "worker": self.worker,
                      "t_start_s": round(t_start, 6), "t_end_s": round(self.clock(), 6), "client": client,
                      "interrupted": self._stopped()})
@@ -109,20 +129,44 @@ class Runner:
         self.sink.level(info)
         self.progress.level_end(info)
 
-    async def _send(self, session: aiohttp.ClientSession, req: RequestSpec, t_sched: float, tags: RecordTags) -> None:
+    async def _prewarm(self, level: float) -> None:
+        """Open this worker's closed-loop streams' connections before the level's clock starts, so no measured
+        request pays a TCP (or TLS) handshake. Open loop: the pool grows as arrivals need it."""
+        if self.plan.mode == "concurrency":
+            c = int(level)
+            await self.pool.prewarm(self.target.endpoint, c // self.workers + (1 if self.worker < c % self.workers
+                                                                                else 0))
+
+    async def _send(self, session: aiohttp.ClientSession, req: RequestSpec, t_sched: float,
+                    tags: RecordTags) -> RequestRecord:
+        """One request on this level's connection pool (``session`` serves only callers without one)."""
         o = Outcome(t_sched=t_sched)
         try:
-            await stream_request(session, self.target, req, o, self.clock, self.connections)
+            await stream_request(self.pool or session, self.target, req, o, self.clock, self.connections)
         except asyncio.CancelledError:
             o.error = o.error or "cancelled"
             self._emit(o, req, tags)
             raise
-        self._emit(o, req, tags)
+        return self._emit(o, req, tags)
 
-    def _emit(self, o: Outcome, req: RequestSpec, tags: RecordTags) -> None:
+    def _emit(self, o: Outcome, req: RequestSpec, tags: RecordTags) -> RequestRecord:
         rec = to_record(o, req, self.counter, tags, self.keep_texts)
         self.sink.record(rec)
         self.progress.on_record(rec)
+        return rec
+
+    def _judge(self, watch: ErrorWatch, rec: RequestRecord, level: float, repeat: int) -> None:
+        """Feed the level's error rule; the first time it trips, stop the level (and the run) and say why."""
+        if watch.add(rec) and self.stopped is None:
+            self.stopped = watch.verdict(self.plan.mode, level, repeat, self.clock())
+            self.halt.set()
+
+    async def _back_off(self, seconds: float) -> float:
+        """Wait ``seconds`` (cut short by a halt); returns the time really waited."""
+        t = self.clock()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.halt.wait(), seconds)
+        return self.clock() - t
 
     # ---------------------------------------------------------------- closed loop
     async def _closed(self, session: aiohttp.ClientSession, concurrency: int, repeat: int, t_start: float) -> dict:
@@ -134,13 +178,15 @@ class Runner:
         quota = None if p.requests is None else p.requests // self.workers + (
             1 if self.worker < p.requests % self.workers else 0)
         indices = itertools.count(self.worker, self.workers)
-        state = {"measured": 0, "stop_issuing_at": None}
+        state = {"measured": 0, "stop_issuing_at": None, "backoff_s": 0.0}
         tags_base = {"mode": "concurrency", "level": concurrency, "repeat": repeat, "worker": self.worker}
+        watch = self.rule.watch()
 
         async def user() -> None:
+            failures = 0  # in a row, this user's: its backoff (guard.backoff_s) grows with them
             while not self._stopped():
                 now = self.clock()
-                if now >= measure_end or (quota is not None and state["measured"] >= quota):
+                if self.halt.is_set() or now >= measure_end or (quota is not None and state["measured"] >= quota):
                     if state["stop_issuing_at"] is None:
                         state["stop_issuing_at"] = now
                     return
@@ -149,7 +195,11 @@ class Runner:
                     state["measured"] += 1
                 i = next(indices)
                 req = self.factory.request(i, level=concurrency, repeat=repeat)
-                await self._send(session, req, now, {**tags_base, "phase": phase})
+                rec = await self._send(session, req, now, {**tags_base, "phase": phase})
+                self._judge(watch, rec, concurrency, repeat)
+                failures = 0 if rec["ok"] else failures + 1
+                if failures and not self.halt.is_set():
+                    state["backoff_s"] += await self._back_off(backoff_s(failures))
 
         tasks = [asyncio.create_task(user()) for _ in range(mine)]
         await self._drain(tasks, until=measure_end if math.isfinite(measure_end) else None)
@@ -157,7 +207,8 @@ class Runner:
         if math.isfinite(measure_end):
             end = min(end, measure_end)
         return {"target": concurrency, "concurrency_this_worker": mine, "measure_start_s": round(measure_start, 6),
-                "measure_end_s": round(max(end, measure_start), 6), "sent_measured": state["measured"]}
+                "measure_end_s": round(max(end, measure_start), 6), "sent_measured": state["measured"],
+                "backoff_s": round(state["backoff_s"], 3), "stopped": self.stopped}
 
     async def _drain(self, tasks: list[asyncio.Task], until: float | None) -> None:
         """Wait for the level's tasks; on stop or after the drain timeout, cancel what is still in flight."""
@@ -207,13 +258,18 @@ class Runner:
         sent_measured = 0
         late = 0
         first_measured = last_measured = None
+        halted_at = None
+        watch = self.rule.watch()
 
         async def one(req: RequestSpec, sched: float, phase: str) -> None:
             try:
-                await self._send(session, req, sched, {**tags_base, "phase": phase})
+                rec = await self._send(session, req, sched, {**tags_base, "phase": phase})
+                self._judge(watch, rec, level, repeat)
             finally:
                 sem.release()
 
+        # no backoff here: the schedule is the independent variable, and a fixed rate cannot spin; a failing
+        # server meets the error rule instead
         for k, off in enumerate(offsets):
             if k % self.workers != self.worker:
                 continue
@@ -226,6 +282,10 @@ class Runner:
             elif delay < -0.005:
                 late += 1
             await sem.acquire()  # a full client queues here; the latency still counts from ``sched``
+            if self.halt.is_set():
+                sem.release()
+                halted_at = self.clock()
+                break
             phase = "warmup" if sched < measure_start else "measure"
             if phase == "measure":
                 sent_measured += 1
@@ -238,11 +298,14 @@ class Runner:
             measure_end = last_measured
         else:
             measure_end = self.clock()
+        if halted_at is not None:  # the measured window ends where the sends did (empty if still warming up)
+            measure_end = max(min(measure_end, halted_at), measure_start)
         await self._drain(tasks, until=max(measure_end, self.clock()))
         window = max(measure_end - measure_start, 1e-9)
         info = {"target": level, "measure_start_s": round(measure_start, 6), "measure_end_s": round(measure_end, 6),
                 "sent_measured": sent_measured, "late_sends": late,
-                "achieved_rate": round(sent_measured / window, 4) if p.mode == "rate" else None}
+                "achieved_rate": round(sent_measured / window, 4) if p.mode == "rate" else None,
+                "stopped": self.stopped}
         if p.mode == "trace":
             info["trace_requests"] = len(offsets)
         return info

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app: routes, handlers and startup, with connection counting.
 
 Routes (mimicking vLLM's OpenAI server): ``POST /v1/completions`` and ``POST /v1/chat/completions`` with
-``stream`` true or false; ``GET /v1/models``, ``/health``, ``/version``, ``/metrics`` (Prometheus text, the
-engine's families) and ``/stats`` (JSON counters for tests, :meth:`ServerState.snapshot`).
+``stream`` true or false; ``POST /tokenize`` (vLLM's: ``prompt`` or chat ``messages`` → ``count``, ``tokens``);
+``GET /v1/models``, ``/health``, ``/version``, ``/metrics`` (Prometheus text, the engine's families) and ``/stats``
+(JSON counters for tests, :meth:`ServerState.snapshot`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kvcap.serve.engine import AnyEngine
 from kvcap.serve.faults import FaultPlan
 from kvcap.serve.generation import Generation
 from kvcap.serve.metrics import METRICS_CONTENT_TYPE, render_metrics
-from kvcap.serve.protocol import ApiConfig, BadRequest, error_body, parse_job
+from kvcap.serve.protocol import ApiConfig, BadRequest, count_prompt, error_body, parse_job
 from kvcap.serve.state import ServerState
 
 STATE: web.AppKey[ServerState] = web.AppKey("kvcap_serve_state")
@@ -55,6 +56,28 @@ async def _models(request: web.Request) -> web.Response:
         "root": api.model_name, "parent": None, "max_model_len": api.max_model_len}]})
 
 
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: the count the generation endpoints would put in ``usage.prompt_tokens`` — special
+    tokens (the overhead) with ``add_special_tokens`` (default true) for a prompt, the template's for messages."""
+    api = request.app[STATE].api
+    try:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise BadRequest(400, f"invalid JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(400, "request body must be a JSON object")
+        if body.get("model") is not None and body["model"] != api.model_name:
+            raise BadRequest(404, f"The model `{body['model']}` does not exist.", "NotFoundError")
+        chat = "messages" in body
+        n = count_prompt(body, chat, api)
+        if not chat and not body.get("add_special_tokens", True) and not isinstance(body.get("prompt"), list):
+            n -= api.prompt_overhead
+    except BadRequest as exc:
+        return web.json_response(error_body(exc.status, exc.message, exc.err_type), status=exc.status)
+    return web.json_response({"count": n, "max_model_len": api.max_model_len, "tokens": list(range(n))})
+
+
 async def _health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
@@ -83,6 +106,8 @@ def make_app(api: ApiConfig, engine: AnyEngine, faults: FaultPlan | None = None,
     app[STATE] = state
     app.router.add_post("/v1/completions", _make_generation_handler(chat=False))
     app.router.add_post("/v1/chat/completions", _make_generation_handler(chat=True))
+    if api.tokenize:
+        app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version)

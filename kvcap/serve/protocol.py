@@ -2,8 +2,9 @@
 
 Why a module of its own: what a client sees byte for byte (vLLM's field order, ids, ``[DONE]``) is decided
 here and nowhere else, so the handlers only choose *when* to send and the format can be tested without a
-server. The tokenizer is deliberately trivial: one token per whitespace-separated word, and output token ``i``
-is the word ``"w{i} "``, so a client re-counting words gets the true count.
+server. The tokenizer is deliberately trivial: one token per whitespace-separated word (or, as a second known
+tokenizer, ``chars4``: a word of n characters is ⌈n/4⌉ tokens), and output token ``i`` is the word ``"w{i} "``, so
+a client re-counting words gets the true count.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ class ApiConfig:
     tokens_per_chunk: int = 1
     eos_after: int | None = None
     max_model_len: int = 131072
+    tokenizer: str = "words"
+    """How prompt text is counted (:data:`TOKENIZERS`): a second tokenizer lets tests check that a client sizes
+    its prompts by the server's count, not its own."""
+    prompt_overhead: int = 0
+    """Tokens added to every text prompt's count, as a BOS token or a chat template adds them."""
+    tokenize: bool = True
+    """Serve ``POST /tokenize`` (vLLM's shape); without it a client can only learn counts from ``usage``."""
+
+
+TOKENIZERS = ("words", "chars4")
 
 
 @dataclass
@@ -50,10 +61,19 @@ class Job:
     index: int = -1
 
 
-def count_prompt(body: dict[str, Any], chat: bool) -> int:
-    """Prompt tokens of a completions (``prompt``) or chat (``messages``) body; one token per word."""
+def count_text(text: str, tokenizer: str = "words") -> int:
+    """Tokens of ``text``: one per whitespace-separated word, or ⌈characters/4⌉ per word (``chars4``)."""
+    if tokenizer == "chars4":
+        return sum(-(-len(w) // 4) for w in text.split())
+    return len(text.split())
+
+
+def count_prompt(body: dict[str, Any], chat: bool, cfg: ApiConfig | None = None) -> int:
+    """Prompt tokens of a completions (``prompt``) or chat (``messages``) body by ``cfg``'s tokenizer (one token
+    per word by default), plus its ``prompt_overhead`` for text (token ids are counted as they are)."""
+    tokenizer, overhead = (cfg.tokenizer, cfg.prompt_overhead) if cfg is not None else ("words", 0)
     if chat:
-        return _count_messages(body.get("messages"))
+        return _count_messages(body.get("messages"), tokenizer) + overhead
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) for t in prompt):
@@ -63,10 +83,10 @@ def count_prompt(body: dict[str, Any], chat: bool) -> int:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise BadRequest(400, "prompt must be a string")
-    return len(prompt.split())
+    return count_text(prompt, tokenizer) + overhead
 
 
-def _count_messages(messages: Any) -> int:
+def _count_messages(messages: Any, tokenizer: str) -> int:
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "messages must be a non-empty list")
     n = 0
@@ -75,9 +95,9 @@ def _count_messages(messages: Any) -> int:
             raise BadRequest(400, "each message must be an object")
         content = m.get("content")
         if isinstance(content, str):
-            n += len(content.split())
+            n += count_text(content, tokenizer)
         elif isinstance(content, list):  # OpenAI content parts: count the text ones
-            n += sum(len(str(p.get("text", "")).split()) for p in content if isinstance(p, dict))
+            n += sum(count_text(str(p.get("text", "")), tokenizer) for p in content if isinstance(p, dict))
         elif content is not None:
             raise BadRequest(400, "message content must be a string")
     return n
@@ -101,7 +121,7 @@ def parse_job(cfg: ApiConfig, body: Any, chat: bool, t_arrival: float) -> Job:
         raise BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError")
     if body.get("n", 1) != 1:
         raise BadRequest(400, "n > 1 is not supported by the fake server")
-    prompt_tokens = count_prompt(body, chat)
+    prompt_tokens = count_prompt(body, chat, cfg)
     max_tokens = _int_field(body, "max_completion_tokens" if chat and "max_tokens" not in body else "max_tokens", 16)
     assert max_tokens is not None
     if max_tokens < 1:

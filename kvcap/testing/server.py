@@ -29,7 +29,7 @@ from kvcap.errors import InputError
 from kvcap.serve.app import Handler, make_app, start_server
 from kvcap.serve.engine import AnyEngine
 from kvcap.serve.loop import new_event_loop, raise_fd_limit
-from kvcap.serve.protocol import ApiConfig
+from kvcap.serve.protocol import TOKENIZERS, ApiConfig
 from kvcap.testing.engines import BatchingEngine, FixedTimingEngine
 from kvcap.testing.faults import FAULT_KINDS, FaultRules, FaultSpec
 from kvcap.units import parse_duration
@@ -52,6 +52,9 @@ class ServerConfig:
     close_after_response: bool = False
     max_model_len: int = 131072
     stall_max_s: float = 600.0
+    tokenizer: str = "words"
+    prompt_overhead: int = 0
+    tokenize: bool = True
 
     @property
     def batching(self) -> bool:
@@ -60,7 +63,8 @@ class ServerConfig:
     @property
     def api(self) -> ApiConfig:
         return ApiConfig(model_name=self.model_name, tokens_per_chunk=self.tokens_per_chunk,
-                         eos_after=self.eos_after, max_model_len=self.max_model_len)
+                         eos_after=self.eos_after, max_model_len=self.max_model_len, tokenizer=self.tokenizer,
+                         prompt_overhead=self.prompt_overhead, tokenize=self.tokenize)
 
     def engine(self) -> AnyEngine:
         """A new engine for this config: batching with ``slots``, else fixed timing."""
@@ -149,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="say keep-alive but close after each response (llama.cpp)")
     p.add_argument("--max-model-len", type=_positive_int, default=131072)
     p.add_argument("--stall-max", type=_duration, default=600.0, help="longest a stall fault holds a connection")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="words",
+                   help="prompt counting: one token per word, or chars4 (a word of n characters is ceil(n/4) tokens)")
+    p.add_argument("--prompt-overhead", type=int, default=0,
+                   help="tokens added to every prompt's count (as a BOS token or a chat template adds them)")
+    p.add_argument("--no-tokenize", action="store_true", help="do not serve POST /tokenize")
     return p
 
 
@@ -157,7 +166,8 @@ def config_from_args(ns: argparse.Namespace) -> ServerConfig:
                         eos_after=ns.eos_after, slots=ns.slots, step_a_s=ns.step_a, step_b_s=ns.step_b,
                         prefill_per_token_s=ns.prefill_per_token, faults=tuple(ns.fault),
                         close_after_response=ns.close_after_response, max_model_len=ns.max_model_len,
-                        stall_max_s=ns.stall_max)
+                        stall_max_s=ns.stall_max, tokenizer=ns.tokenizer, prompt_overhead=ns.prompt_overhead,
+                        tokenize=not ns.no_tokenize)
 
 
 async def _serve(cfg: ServerConfig, host: str, port: int) -> None:

@@ -1,12 +1,16 @@
 """Prompts that hit a target token count, the same for the same seed in every level, repeat and arm.
 
-A prompt is ``[shared group prefix][request nonce][body]``. The body depends only on (seed, request index), so
-two arms and all levels send the same prompt set (its hash goes in the manifest). The nonce depends on the run,
-level and repeat, so no server prompt cache can carry work over from one level, repeat or arm to the next —
-unless shared prefixes are asked for, which are shared on purpose (within a level), as KV offload exists for.
+A prompt is ``[lead word][shared group prefix][request nonce][body]``, words of :data:`WORDS` only. The body
+depends only on (seed, request index), so two arms and all levels send the same prompt set (its hash goes in the
+manifest). The nonce (three words) depends on the run, level and repeat, so no server prompt cache can carry work
+over from one level, repeat or arm to the next — unless shared prefixes are asked for, which are shared on purpose
+(within a level), as KV offload exists for. The constant lead word keeps what a chat template or a tokenizer's
+start-of-text rule does to the first word the same for every prompt, so it is a constant overhead.
 
-Without a tokenizer one word counts as one token (exact for kvcap's test server, about right for BPE
-tokenizers on common English words); with a local HF ``tokenizer.json`` the count is exact.
+How tokens are counted (:class:`TokenCounter`): one word one token (kvcap's test server); a local HF
+``tokenizer.json`` (exact for that tokenizer); or each word's cost as the *server* counts it, measured before the
+run (``kvcap.loadgen.lengths``), so prompts are built to the server's own count. The tokens a server adds to
+every prompt (BOS, chat template) are the factory's ``overhead``: prompts are built to the target minus it.
 """
 
 from __future__ import annotations
@@ -24,17 +28,26 @@ from kvcap.errors import InputError
 from kvcap.specs.lengths import LengthDist
 from kvcap.workload.words import WORDS, block_text
 
+LEAD = WORDS[0]
+"""The first word of every generated prompt."""
 
-def _hash(*parts: object) -> str:
-    return hashlib.blake2s(repr(parts).encode(), digest_size=6).hexdigest()
+
+def tag_words(*parts: object, k: int = 3) -> str:
+    """``k`` words from the hash of ``parts``: a nonce made of prompt words, so every counter can count it
+    (142³ ≈ 2.9 million values; only the same request index in two levels, repeats or runs must not collide)."""
+    digest = hashlib.blake2s(repr(parts).encode(), digest_size=2 * k).digest()
+    return " ".join(WORDS[int.from_bytes(digest[2 * j: 2 * j + 2], "big") % len(WORDS)] for j in range(k))
 
 
 class TokenCounter:
-    """Counts and cuts text in tokens: the word rule, or a local HF tokenizer.json (exact)."""
+    """Counts and cuts text in tokens: one per word, each word's cost as the server counts it (``costs``, aligned
+    with :data:`WORDS`; other words count one), or a local HF tokenizer.json (exact)."""
 
-    def __init__(self, tokenizer_path: str | None = None):
+    def __init__(self, tokenizer_path: str | None = None, costs: tuple[int, ...] | None = None):
         self.path = tokenizer_path
         self._tok: Any = None
+        self._costs: dict[str, int] = dict(zip(WORDS, costs, strict=True)) if costs else {}
+        self._filler = min(WORDS, key=self.cost)
         if tokenizer_path:
             try:
                 from tokenizers import Tokenizer
@@ -52,20 +65,21 @@ class TokenCounter:
 
     @property
     def exact(self) -> bool:
+        """True for a local tokenizer: it can count any text (output too), not only prompt words."""
         return self._tok is not None
+
+    def cost(self, word: str) -> int:
+        return self._costs.get(word, 1)
 
     def count(self, text: str) -> int:
         if self._tok is None:
-            return len(text.split())
+            return sum(self._costs.get(w, 1) for w in text.split()) if self._costs else len(text.split())
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
     def fit(self, text: str, n: int) -> str:
         """``text`` cut (or padded with words) to exactly ``n`` tokens where the tokenizer allows it."""
         if self._tok is None:
-            words = text.split()
-            while len(words) < n:
-                words += words or ["the"]
-            return " ".join(words[:n])
+            return self._fit_words(text.split(), n)
         ids = self._tok.encode(text, add_special_tokens=False).ids
         while len(ids) < n:
             ids = ids + ids
@@ -77,6 +91,23 @@ class TokenCounter:
             ids_now = self._tok.encode(out, add_special_tokens=False).ids
             out = self._tok.decode(ids_now[: max(1, len(ids_now) - (got - n))]) if got > n else out + " the" * (n - got)
         return out
+
+    def _fit_words(self, words: list[str], n: int) -> str:
+        """Words in order while they fit (a word that costs more than what is left is skipped), then the cheapest
+        word as filler: exact whenever some word costs one token."""
+        if not self._costs:  # one word one token
+            return " ".join(words[:n] + [self._filler] * (n - len(words)))
+        out, left, cost = [], n, self._costs.get
+        for w in words:
+            if left <= 0:
+                break
+            c = cost(w, 1)
+            if c <= left:
+                out.append(w)
+                left -= c
+        c = self.cost(self._filler)
+        out += [self._filler] * (left // c)
+        return " ".join(out)
 
 
 @dataclass(frozen=True)
@@ -104,16 +135,29 @@ class PromptFactory:
     unique_prefix: bool = True
     run_id: str = ""
     dataset: list[dict[str, Any]] | None = None
+    overhead: int = 0
+    """Tokens the server adds to every prompt (BOS, chat template): generated prompts are built to the target
+    minus this, so the server's count is the target."""
     _cache: dict[int, tuple[str, int, int, int | None, list | None]] = field(default_factory=dict)
 
     @cached_property
     def _words(self) -> np.ndarray:
         return np.array(WORDS)
 
+    @cached_property
+    def _prefixes(self) -> dict[int, str]:
+        return {}
+
     def _group_prefix(self, group: int) -> str:
-        rng = np.random.default_rng((self.seed, 1_000_003, group))
-        text = " ".join(self._words[rng.integers(len(WORDS), size=self.prefix_tokens * 2)])
-        return self.counter.fit(f"System context {group}: {text}", self.prefix_tokens)
+        """The ``prefix_tokens`` of group ``group``: the same words for every request of the group."""
+        if group not in self._prefixes:
+            rng = np.random.default_rng((self.seed, 1_000_003, group))
+            text = " ".join(self._words[rng.integers(len(WORDS), size=self.prefix_tokens * 2)])
+            self._prefixes[group] = self.counter.fit(text, self.prefix_tokens)
+        return self._prefixes[group]
+
+    def _target(self, input_tokens: int) -> int:
+        return max(1, input_tokens - self.overhead)
 
     def body(self, i: int) -> tuple[str, int, int, int | None, list | None]:
         """(body text, input target, output target, group, messages) — independent of run, level, repeat."""
@@ -142,16 +186,17 @@ class PromptFactory:
 
     def request(self, i: int, level: float = 0, repeat: int = 0) -> RequestSpec:
         text, in_t, out_t, group, messages = self.body(i)
-        parts = []
+        parts = [LEAD]
         if group is not None:
-            level_tag = f"[{_hash(self.run_id, level, repeat)}] " if self.unique_prefix else ""
-            parts.append(level_tag + self._group_prefix(group))
+            if self.unique_prefix:
+                parts.append(tag_words(self.run_id, level, repeat))
+            parts.append(self._group_prefix(group))
         if self.unique_prefix:
-            parts.append(f"{_hash(self.run_id, level, repeat, i)}:")
+            parts.append(tag_words(self.run_id, level, repeat, i))
         parts.append(text)
         prompt = " ".join(parts)
         if self.dataset is None:  # cut the whole prompt, prefix and nonce included, to the target
-            prompt = self.counter.fit(prompt, in_t)
+            prompt = self.counter.fit(prompt, self._target(in_t))
         if messages:
             messages = [dict(m) for m in messages]
             first_user = next((m for m in messages if m.get("role") == "user"), messages[0])
@@ -168,12 +213,12 @@ class PromptFactory:
                 if h not in blocks:
                     blocks[h] = block_text(self.seed, h)
             text = " ".join(blocks[h] for h in hash_ids)
-            tag = f"[{_hash(self.run_id, level, repeat)}] " if self.unique_prefix else ""
+            tag = tag_words(self.run_id, level, repeat) if self.unique_prefix else ""
         else:
             rng = np.random.default_rng((self.seed, i))
             text = " ".join(self._words[rng.integers(len(WORDS), size=input_tokens + 8)])
-            tag = f"{_hash(self.run_id, level, repeat, i)}: " if self.unique_prefix else ""
-        prompt = self.counter.fit(tag + text, input_tokens)
+            tag = tag_words(self.run_id, level, repeat, i) if self.unique_prefix else ""
+        prompt = self.counter.fit(" ".join(filter(None, (LEAD, tag, text))), self._target(input_tokens))
         return RequestSpec(index=i, prompt=prompt, input_tokens=input_tokens, output_tokens=output_tokens)
 
     @cached_property
@@ -181,11 +226,13 @@ class PromptFactory:
         return {}
 
     def identity(self, n: int = 256) -> str:
-        """Hash of the first ``n`` bodies and targets: equal across arms ⇔ the same prompt set."""
+        """Hash of the first ``n`` prompt bodies, their input targets and groups: equal across arms ⇔ the same
+        prompt set. Only what names the prompts: output targets are ``workload.output_tokens``' (a dataset's own
+        are the dataset's), and a dataset row's input target is its text's, however a tokenizer counts it."""
         h = hashlib.sha256()
         for i in range(n):
-            text, in_t, out_t, group, _ = self.body(i)
-            h.update(json.dumps([text, in_t, out_t, group]).encode())
+            text, in_t, _out_t, group, _ = self.body(i)
+            h.update(json.dumps([text, in_t if self.dataset is None else None, group]).encode())
         if self.prefix_groups:
             h.update(json.dumps([self.prefix_tokens, self.prefix_groups]).encode())
         return h.hexdigest()[:16]

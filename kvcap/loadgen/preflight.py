@@ -1,0 +1,122 @@
+"""Before any load is sent: is the endpoint there, and does it serve the model asked for? And the facts about the
+server the manifest keeps (models, version, engine, llama.cpp props).
+
+Why: a sweep against a dead port used to record thousands of instant connection errors and exit 0; a wrong model
+name, thousands of 404s. One cheap check up front turns both into one line and exit 1 (:class:`EndpointError`):
+``GET /v1/models`` answers both questions when it lists the model. A server without it (a 404 there is not
+fatal), or one that does not list the model asked for, gets one tiny real request (``max_tokens=1``, the run's own
+request shape): the listing is a hint, the server's answer decides (llama.cpp lists its one model under a path yet
+serves any name). A refusal (400/401/403/404/405/422) is what every request of the run would have met; a 429 or 5xx
+is left to the run's error rule, since it may be transient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import aiohttp
+
+from kvcap.errors import EndpointError
+from kvcap.loadgen.client import Outcome, Target, stream_request
+from kvcap.workload.prompts import RequestSpec
+
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
+REFUSED_STATUSES = frozenset({400, 401, 403, 404, 405, 422})
+"""Answers to the tiny request that every request of the run would get too."""
+ENGINES = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}
+
+
+def server_base(url: str) -> str:
+    """``http://h:8000/v1/completions`` (or ``…/v1``) → ``http://h:8000``: where /v1/models, /version live."""
+    base = url.rstrip("/")
+    for suffix in ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions", "/v1"):
+        if base.endswith(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """Why a request never reached a server (refused, unresolvable, no connection or answer in time), or None."""
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return f"cannot resolve host {exc.host!r}"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        errno = getattr(exc.os_error, "errno", None)
+        return (os.strerror(errno) if errno else str(exc.os_error) or type(exc.os_error).__name__).lower()
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return f"no connection within {PROBE_TIMEOUT.sock_connect:g} s"
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return f"no answer within {PROBE_TIMEOUT.total:g} s"
+    return None
+
+
+async def probe_server(target: Target) -> dict[str, Any]:
+    """The manifest's facts about the server, once it is known to serve ``target``; raises EndpointError if not."""
+    base = server_base(target.url)
+    info: dict[str, Any] = {}
+    async with aiohttp.ClientSession(timeout=PROBE_TIMEOUT, headers=target.headers) as s:
+        for path in ("/v1/models", "/version", "/props"):
+            try:
+                async with s.get(base + path) as r:
+                    if r.status != 200:
+                        continue
+                    if r.headers.get("Server"):
+                        info["server_header"] = r.headers["Server"]
+                    data = await r.json(content_type=None)
+            except Exception as exc:
+                why = unreachable(exc)
+                if why is not None and path == "/v1/models":  # nothing answers there: skip the other paths
+                    raise EndpointError(f"cannot reach {base}: {why}") from None
+                continue
+            _read_facts(info, path, data)
+        if "engine" not in info:
+            owned = str(info.get("owned_by", ""))
+            info["engine"] = ENGINES.get(owned, owned or "unknown")
+        models = [str(m) for m in info.get("models") or []]
+        if models and (target.model is None or target.model in models):
+            info["preflight"] = {"check": "/v1/models"}
+        else:
+            info["preflight"] = await _tiny_request(s, target, base, models)
+    return info
+
+
+def _read_facts(info: dict[str, Any], path: str, data: Any) -> None:
+    """What one probe path's JSON says about the server, into ``info``."""
+    if not isinstance(data, dict):
+        return
+    if path == "/v1/models":
+        listed = [m for m in data.get("data") or [] if isinstance(m, dict)]
+        info["models"] = [m.get("id") for m in listed]
+        first = listed[0] if listed else {}
+        if first.get("max_model_len"):
+            info["max_model_len"] = first["max_model_len"]
+        if first.get("owned_by"):
+            info["owned_by"] = first["owned_by"]
+    elif path == "/version":
+        info["version"] = data.get("version")
+    elif path == "/props":
+        info["engine"] = "llama.cpp"
+        info["version"] = info.get("version") or data.get("build_info")
+        info["total_slots"] = data.get("total_slots")
+        gen = data.get("default_generation_settings") or {}
+        info["n_ctx"] = gen.get("n_ctx") or data.get("n_ctx")
+
+
+async def _tiny_request(session: aiohttp.ClientSession, target: Target, base: str,
+                        models: list[str]) -> dict[str, Any]:
+    """One ``max_tokens=1`` request in the run's shape, for a server that does not list the model asked for."""
+    o = Outcome(t_sched=0.0)
+    await stream_request(session, target, RequestSpec(index=-1, prompt="Hello", input_tokens=1, output_tokens=1),
+                         o, time.perf_counter)
+    if o.status is None and o.error in ("connection", "timeout"):
+        raise EndpointError(f"{target.endpoint} did not answer a 1-token request: {o.detail}")
+    if o.status in REFUSED_STATUSES:
+        if models:
+            raise EndpointError(f"model {target.model!r} not served by {base}; it serves: {', '.join(models)} "
+                                f"(a 1-token request got HTTP {o.status})")
+        raise EndpointError(f"{target.endpoint} refused a 1-token request"
+                            f"{f' for model {target.model!r}' if target.model else ''}: {o.detail}")
+    return {"check": "1-token request", "status": o.status, "error": o.error,
+            **({"note": "the model is not in /v1/models, but the server accepted it"} if models else {})}
