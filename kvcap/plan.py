@@ -182,6 +182,8 @@ class PlanResult(BaseModel):
     kv_bytes_per_request: float
     kv_bytes_per_request_per_gpu: float
     max_num_seqs: int
+    slot_context_tokens: int | None = None
+    """llamacpp: each slot's context (the KV pool split over ``max_num_seqs`` slots); None for paged engines."""
     resident_requests: dict[str, int]
     resident_requests_per_gpu: dict[str, float]
     tiers: list[Tier]
@@ -271,26 +273,42 @@ def plan(inputs: PlanInputs, *, allow_unfit: bool = False) -> PlanResult:
     replicas = replica_count(cl.gpus, tp, pp)
     elem = kv_element_bytes(model, sc.model.kv_dtype, inputs.weights_dtype)
     mem = memory_budget(model, gpu.memory_bytes, sv, inputs.weights_dtype, tp, pp)
-    problem = no_room_problem(model, gpu, sv, inputs.weights_dtype, tp, pp, mem)
+    tok_gpu = kv_bytes_per_token(model, elem, tp, pp)
+    assumptions: list[str] = []
+    if sv.kv_tokens is not None:
+        mem = given_pool(mem, sv.kv_tokens, tok_gpu, sv.block_size)
+        assumptions.append(f"serving.kv_tokens={sv.kv_tokens} sets the KV pool per replica; the GPU memory "
+                           "arithmetic (weights, activations, overhead) is not used for it")
+        problem = None
+    else:
+        problem = no_room_problem(model, gpu, sv, inputs.weights_dtype, tp, pp, mem)
     if problem and not allow_unfit:
         raise InputError(problem)
 
-    tok_gpu = kv_bytes_per_token(model, elem, tp, pp)
     tokens_req = wl.input_mean + wl.output_mean
     req_gpu = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size, tp, pp)
     req_total = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size)
-    fits = problem is None and mem.usable >= req_gpu
+    blocks = kv_blocks(mem.usable, tok_gpu, sv.block_size) if sv.kv_tokens is None else sv.kv_tokens // sv.block_size
+    slot_ctx = slot_tokens(sv.kv_tokens if sv.kv_tokens is not None else blocks * sv.block_size,
+                           sv.max_num_seqs) if sv.engine == "llamacpp" else None
+    fits = problem is None and (mem.usable >= req_gpu if slot_ctx is None else tokens_req <= slot_ctx)
     if problem is None and not fits:
         problem = (f"{mem.usable / 2**30:.2f} GiB per GPU left for KV on {gpu.name} is less than one request of "
-                   f"{tokens_req} tokens ({req_gpu / 2**30:.2f} GiB per GPU at tp={tp}, pp={pp})")
-    assumptions: list[str] = []
+                   f"{tokens_req} tokens ({req_gpu / 2**30:.2f} GiB per GPU at tp={tp}, pp={pp})"
+                   if slot_ctx is None else
+                   f"a llamacpp slot holds {slot_ctx} tokens, less than one request of {tokens_req} tokens")
     warnings: list[str] = []
     if model.max_position_embeddings and tokens_req > model.max_position_embeddings:
         warnings.append(f"{tokens_req} tokens per request exceed the model's context of "
                         f"{model.max_position_embeddings}")
 
-    blocks = kv_blocks(mem.usable, tok_gpu, sv.block_size)
-    fit_hbm = max(0, int(mem.usable // req_gpu))
+    if slot_ctx is None:
+        fit_hbm = max(0, int(mem.usable // req_gpu))
+    else:
+        fit_hbm = sv.max_num_seqs if tokens_req <= slot_ctx else 0
+    if slot_ctx is not None:
+        assumptions.append(f"llamacpp: {sv.max_num_seqs} slots of {slot_ctx} tokens each (split KV): a slot holds "
+                           "one request whatever its length")
     if fit_hbm > sv.max_num_seqs:
         assumptions.append(f"HBM could hold {fit_hbm} requests per replica; max_num_seqs={sv.max_num_seqs} caps it")
     tiers = [Tier(name="hbm", capacity_bytes=max(0.0, mem.usable) * cl.gpus,
@@ -315,7 +333,7 @@ def plan(inputs: PlanInputs, *, allow_unfit: bool = False) -> PlanResult:
         usable_kv_bytes_per_gpu=mem.usable, block_size=sv.block_size, kv_blocks_per_gpu=blocks,
         kv_tokens_per_gpu=blocks * sv.block_size, input_tokens=wl.input_mean, output_tokens=wl.output_mean,
         tokens_per_request=tokens_req, kv_bytes_per_request=req_total, kv_bytes_per_request_per_gpu=req_gpu,
-        max_num_seqs=sv.max_num_seqs, resident_requests=resident,
+        max_num_seqs=sv.max_num_seqs, slot_context_tokens=slot_ctx, resident_requests=resident,
         resident_requests_per_gpu={k: v / cl.gpus for k, v in resident.items()}, tiers=tiers,
         fits=fits, fit_problem=None if fits else problem,
         fit_options=[] if fits else fit_options(inputs, tokens_req), assumptions=assumptions, warnings=warnings,
@@ -376,6 +394,19 @@ def no_room_problem(model: ModelSpec, gpu: GpuSpec, sv: ServingSpec, weights_dty
                 f"{mem.weights_gpu / 2**30:.2f} GiB − activations {mem.activation / 2**30:.2f} GiB − "
                 f"overhead/reserve {(sv.runtime_overhead + sv.reserve) / 2**30:.2f} GiB ≤ 0")
     return None
+
+
+def given_pool(mem: MemoryBudget, kv_tokens: int, kv_bytes_per_token_per_gpu: float,
+               block_size: int) -> MemoryBudget:
+    """The budget with ``usable`` set to a pool known in tokens (``serving.kv_tokens``), whole blocks only."""
+    usable = (kv_tokens // block_size) * block_size * kv_bytes_per_token_per_gpu
+    return MemoryBudget(weights_total=mem.weights_total, weights_gpu=mem.weights_gpu, activation=mem.activation,
+                        budget=mem.budget, usable=usable)
+
+
+def slot_tokens(pool_tokens: int, slots: int) -> int:
+    """llama.cpp split KV: each of the slots gets an even share of the pool."""
+    return pool_tokens // slots
 
 
 def kv_blocks(usable_bytes: float, kv_bytes_per_token_per_gpu: float, block_size: int) -> int:
@@ -561,11 +592,12 @@ def _add_links(r: PlanResult, inputs: PlanInputs) -> None:
 
 def _add_model_notes(r: PlanResult, model: ModelSpec, inputs: PlanInputs) -> None:
     a = r.assumptions
-    a.insert(0, f"usable KV per GPU = {r.gpu_memory_bytes / 2**30:.2f} GiB × {r.gpu_memory_utilization:g} − "
-                f"weights {r.weights_bytes_per_gpu / 2**30:.2f} GiB − activation peak "
-                f"{r.activation_peak_bytes_per_gpu / 2**30:.2f} GiB − runtime overhead "
-                f"{r.runtime_overhead_bytes_per_gpu / 2**30:.2f} GiB − reserve {r.reserve_bytes_per_gpu / 2**30:.2f}"
-                f" GiB")
+    if inputs.scenario.serving.kv_tokens is None:
+        a.insert(0, f"usable KV per GPU = {r.gpu_memory_bytes / 2**30:.2f} GiB × {r.gpu_memory_utilization:g} − "
+                    f"weights {r.weights_bytes_per_gpu / 2**30:.2f} GiB − activation peak "
+                    f"{r.activation_peak_bytes_per_gpu / 2**30:.2f} GiB − runtime overhead "
+                    f"{r.runtime_overhead_bytes_per_gpu / 2**30:.2f} GiB − reserve "
+                    f"{r.reserve_bytes_per_gpu / 2**30:.2f} GiB")
     a.append(f"KV per request = {r.tokens_per_request} tokens ({r.input_tokens} in + {r.output_tokens} out) "
              f"rounded up to blocks of {r.block_size}")
     if model.parameters_source == "estimated":

@@ -9,10 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcap.plan import PlanInputs, PlanResult, kv_bytes_per_sequence, plan, resolve
-from kvcap.sim.cost import cost_model
+from kvcap.sim.cost import CostModel, cost_model
+from kvcap.sim.cost_empirical import EmpiricalCost
 from kvcap.sim.engine import Simulation
 from kvcap.sim.kv import Tier
 from kvcap.sim.links import Link, LinkSet
+from kvcap.sim.policy import SchedulingPolicy
+from kvcap.sim.policy_llamacpp import LlamaCppPolicy
 from kvcap.sim.policy_vllm import VllmPolicy
 from kvcap.sim.replica import ReplicaConfig
 from kvcap.sim.request import SimRequest
@@ -50,10 +53,9 @@ class ClusterModel:
                 tiers["host"] = [Tier("host", t.capacity_bytes / cl.nodes) for _ in range(cl.nodes)]
             elif t.name == "remote":
                 tiers["remote"] = [Tier("remote", t.capacity_bytes)]
-        cost = cost_model(inputs.model, inputs.gpu, tp=sv.tensor_parallel, weights_dtype=p.weights_dtype,
-                          kv_dtype=sc.model.kv_dtype)
+        cost = _cost(self)
         blocks_for = _blocks_for(self)
-        policy = VllmPolicy()
+        policy, blocks = _policy(self, blocks_for)
         configs = []
         for r in range(p.replicas):
             first, last = r * per_replica, (r + 1) * per_replica - 1
@@ -62,14 +64,43 @@ class ClusterModel:
             host_link = links.add(Link(f"pcie{r}", "host", host.bytes_s * per_replica,
                                        host.effective_bytes_s * per_replica, host.latency_s, node=nodes[0]))
             configs.append(ReplicaConfig(
-                blocks=p.kv_blocks_per_gpu, block_size=sv.block_size, max_num_seqs=sv.max_num_seqs,
+                blocks=blocks, block_size=sv.block_size, max_num_seqs=sv.max_num_seqs,
                 max_num_batched_tokens=sv.max_num_batched_tokens, chunked_prefill=sv.chunked_prefill, cost=cost,
                 kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=MOONCAKE_BLOCK_TOKENS,
-                prefix_caching=sv.enable_prefix_caching, park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
+                prefix_caching=sv.enable_prefix_caching and sv.engine == "vllm", park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
                 node=nodes[0], host_link=host_link,
                 nic_links=tuple(nics[n] for n in nodes), policy=policy, blocks_for=blocks_for,
                 max_model_len=inputs.model.max_position_embeddings or None))
         return Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish)
+
+
+def _cost(cm: ClusterModel) -> CostModel | EmpiricalCost:
+    """``serving.step_cost`` when measured, else the roofline for the model on the GPU."""
+    sc, inputs = cm.scenario, cm.inputs
+    sv = sc.serving
+    if sv.step_cost is not None:
+        c = sv.step_cost
+        return EmpiricalCost(inputs.model, c.base, c.per_decode, c.per_prefill_token, c.per_context_token)
+    return cost_model(inputs.model, inputs.gpu, tp=sv.tensor_parallel, weights_dtype=cm.plan.weights_dtype,
+                      kv_dtype=sc.model.kv_dtype)
+
+
+def slot_context(cm: ClusterModel) -> int:
+    """llama.cpp's per-slot context: the pool split evenly over the slots, capped at the model's context (the
+    server caps ``n_ctx_seq`` at ``n_ctx_train``)."""
+    ctx = cm.plan.slot_context_tokens or 0
+    limit = cm.inputs.model.max_position_embeddings
+    return min(ctx, limit) if limit else ctx
+
+
+def _policy(cm: ClusterModel, blocks_for: Callable[[int], int] | None) -> tuple[SchedulingPolicy, int]:
+    """The engine profile's scheduling rules and the replica's KV blocks (llamacpp: one context per slot)."""
+    sv = cm.scenario.serving
+    if sv.engine == "llamacpp":
+        ctx = slot_context(cm)
+        per_slot = blocks_for(ctx) if blocks_for is not None else -(-ctx // sv.block_size)
+        return LlamaCppPolicy(ctx), per_slot * sv.max_num_seqs
+    return VllmPolicy(), cm.plan.kv_blocks_per_gpu
 
 
 def _blocks_for(cm: ClusterModel) -> Callable[[int], int] | None:

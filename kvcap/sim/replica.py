@@ -32,6 +32,7 @@ import numpy as np
 
 from kvcap.sim.batch_shape import BatchShape
 from kvcap.sim.cost import CostModel
+from kvcap.sim.cost_empirical import EmpiricalCost
 from kvcap.sim.kv import BlockPool, Tier
 from kvcap.sim.links import Link
 from kvcap.sim.policy import Batch, SchedulingPolicy
@@ -50,7 +51,8 @@ class ReplicaConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     chunked_prefill: bool
-    cost: CostModel
+    cost: CostModel | EmpiricalCost
+    """The roofline, or a measured step time (``serving.step_cost``)."""
     kv_bytes_per_token: float
     """Whole replica (every layer, every tp rank): the bytes a copy of one token's KV moves."""
     hash_block_tokens: int

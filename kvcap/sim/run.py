@@ -27,6 +27,7 @@ from kvcap.errors import InputError
 from kvcap.rundir import SUMMARY, Manifest, RequestRecord, RunDir, RunWriter, tpot_ms, write_json_atomic
 from kvcap.sim.cluster import ClusterModel, cluster_model
 from kvcap.sim.engine import Simulation
+from kvcap.sim.policy_llamacpp import REQUESTED_OUT
 from kvcap.sim.request import SimRequest
 from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import Scenario
@@ -98,18 +99,19 @@ def record_of(req: SimRequest, offset: float, record_itl: bool = True) -> Reques
                     "finish_reason": None, "truncated": False, "early_stop": False, "retries": 0, "group": None})
         return rec
     times = req.token_times()
+    asked = tags.get(REQUESTED_OUT, req.max_out)  # more than max_out: a full slot context cut it short
     ttft = (req.t_first - req.arrival) * 1e3  # type: ignore[operator]
     e2e = (float(times[-1]) - req.arrival) * 1e3
     n = req.out
     tpot = tpot_ms(ttft, e2e, n)
     rec.update({
         "end_s": round(offset + float(times[-1]), 6), "send_delay_ms": 0.0, "ok": True, "error": None, "status": 200,
-        "input_tokens": req.prompt, "output_tokens": n, "requested_output_tokens": req.max_out,
+        "input_tokens": req.prompt, "output_tokens": n, "requested_output_tokens": asked,
         "tokens_source": "sim", "ttft_ms": round(ttft, 3), "tpot_ms": None if tpot is None else round(tpot, 3),
         "e2e_ms": round(e2e, 3),
         "itl_ms": np.round(np.diff(times) * 1e3, 3).tolist() if record_itl else [],
         "queue_ms": queue_ms,
-        "finish_reason": "length", "truncated": False, "early_stop": False, "retries": 0, "group": None,
+        "finish_reason": "length", "truncated": n < asked, "early_stop": False, "retries": 0, "group": None,
         "replica": req.replica, "preemptions": req.preemptions, "recomputed_tokens": req.recomputed,
         "parked_ms": round(req.parked_s * 1e3, 3), "copy_ms": round(req.copy_s * 1e3, 3),
         "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvcap.errors import InputError
 from kvcap.specs.fields import Bandwidth, Duration, Fraction, Size, Strict, validation_message
@@ -76,10 +76,24 @@ class ModelRef(Strict):
 
 
 KvOffload = Literal["none", "host", "remote", "host+remote"]
+Engine = Literal["vllm", "llamacpp"]
+
+
+class StepCost(Strict):
+    """A measured per-iteration time (``kvcap calibrate`` fits it) that replaces the roofline cost model:
+    step = base + per_decode·sequences sampling + per_prefill_token·prompt tokens + per_context_token·decode KV."""
+
+    base: Duration = 0.0
+    per_decode: Duration = 0.0
+    """Per sequence that samples a token in the step (decoders and prompts finishing their prefill)."""
+    per_prefill_token: Duration = 0.0
+    per_context_token: Duration = 0.0
+    """Per KV token the step's decoders attend to (the sum of their context lengths). Durations refuse negatives."""
 
 
 class ServingSpec(Strict):
-    engine: str = "vllm"
+    engine: Engine = "vllm"
+    """Scheduling rules: ``vllm`` (paged KV, continuous batching) or ``llamacpp`` (fixed slots, split KV)."""
     tensor_parallel: int = Field(default=1, ge=1)
     pipeline_parallel: int = Field(default=1, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
@@ -100,6 +114,18 @@ class ServingSpec(Strict):
     room for the whole sequence to decode); ``hbm`` keeps vLLM's rule (tiers hold preempted KV and prefixes)."""
     routing: Literal["round_robin", "least_loaded", "kv_aware"] = "least_loaded"
     """How requests are spread over replicas (kv_aware: the longest cached prefix, then the least loaded)."""
+    kv_tokens: int | None = Field(default=None, ge=1)
+    """KV pool per replica in tokens, when known (vLLM num_gpu_blocks × block_size, llama.cpp --ctx-size):
+    replaces the memory arithmetic; llamacpp splits it evenly over its max_num_seqs slots."""
+    step_cost: StepCost | None = None
+    """A measured step time that replaces the roofline cost model (None: the roofline)."""
+
+    @model_validator(mode="after")
+    def _slots_fit(self) -> ServingSpec:
+        if self.engine == "llamacpp" and self.kv_tokens is not None and self.kv_tokens < self.max_num_seqs:
+            raise ValueError(f"kv_tokens={self.kv_tokens} is fewer than the {self.max_num_seqs} llamacpp slots "
+                             "(each slot needs at least one token)")
+        return self
 
     @field_validator("reserve", mode="before")
     @classmethod
@@ -121,6 +147,8 @@ class Scenario(Strict):
     workload: WorkloadSpec = WorkloadSpec()
     load: LoadSpec = LoadSpec()
     slo: dict[str, str] = Field(default_factory=dict)
+    calibration: dict[str, Any] | None = None
+    """What ``kvcap calibrate`` fitted this scenario from (runs, coefficients, fit table); the simulator ignores it."""
 
     @field_validator("slo", mode="before")
     @classmethod

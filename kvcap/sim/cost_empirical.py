@@ -1,0 +1,71 @@
+"""A measured step-time model (``serving.step_cost``) in place of the roofline: what ``kvcap calibrate`` fits.
+
+Why a second cost model: the roofline prices a step from a GPU's datasheet and preset kernel timings; a server
+already measured is better described by its own coefficients. A step takes
+
+    base + per_decode·(sequences that sample) + per_prefill_token·(prompt tokens) + per_context_token·(decode KV)
+
+where the sequences that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt
+that finishes in the step samples its first token; engines also compute a row of logits for a partial chunk)
+and decode KV is the sum of the decoders' context lengths. It offers the calls the replica makes of
+:class:`kvcap.sim.cost.CostModel` (``iteration_time``, ``decode_steps_time``, ``decode_step_times``, ``model``),
+with the pure-decode spans in closed form. It has no bytes or FLOPs: the breakdown puts the per-sequence and
+per-token terms under ``gemm_s``, the context term under ``attn_s``, ``base`` under ``overhead_s``, and calls every
+step compute-bound (there is no roofline to say otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcap.sim.batch_shape import BatchShape
+from kvcap.sim.cost import IterationCost
+from kvcap.specs.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class EmpiricalCost:
+    """Linear step time (seconds per unit; see the module docstring); ``model`` is kept for the replica's
+    sliding-window lookup and reports."""
+
+    model: ModelSpec
+    base: float
+    per_decode: float
+    per_prefill_token: float
+    per_context_token: float
+
+    def iteration_time(self, batch: BatchShape) -> IterationCost:
+        """One step over ``batch``; an empty batch costs nothing (as the roofline's)."""
+        if batch.n_prefill_tokens + batch.n_decode <= 0:
+            return IterationCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "compute")
+        rows = self.per_decode * batch.n_sampled + self.per_prefill_token * batch.n_prefill_tokens
+        attn = self.per_context_token * batch.decode_context_tokens
+        total = self.base + rows + attn
+        return IterationCost(total, rows, attn, 0.0, 0.0, self.base, rows + attn, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                             0.0, "compute")
+
+    def decode_step_times(self, batch: BatchShape, steps: int) -> np.ndarray:
+        """Each of ``steps`` pure-decode steps, every context growing by one per step: a line in the step index."""
+        if steps <= 0 or batch.n_decode <= 0:
+            return np.zeros(0)
+        if batch.n_prefill_tokens or batch.n_prefill_seqs:
+            raise ValueError("decode_step_times takes a pure-decode batch (no prefill chunks)")
+        first, slope = self._decode_line(batch)
+        return first + slope * np.arange(steps, dtype=float)
+
+    def decode_steps_time(self, batch: BatchShape, steps: int) -> float:
+        """Σ of :meth:`decode_step_times`, in closed form."""
+        if batch.n_prefill_tokens or batch.n_prefill_seqs:
+            raise ValueError("decode_steps_time takes a pure-decode batch (no prefill chunks)")
+        if steps <= 0 or batch.n_decode <= 0:
+            return 0.0
+        first, slope = self._decode_line(batch)
+        return steps * first + slope * steps * (steps - 1) / 2
+
+    def _decode_line(self, batch: BatchShape) -> tuple[float, float]:
+        """(first step's seconds, growth per step) of a pure-decode span."""
+        n = batch.n_decode
+        first = self.base + self.per_decode * n + self.per_context_token * batch.decode_context_tokens
+        return first, self.per_context_token * n
