@@ -118,3 +118,16 @@ def test_compare_judges_measured_lengths(tmp_path):
     assert p.returncode == 3 and "requests.input_tokens_mean: 40.0 vs" in p.stderr, p.stderr
     p = run_cli("compare", words, blind, "--allow-diff", "requests.input_tokens_mean")
     assert p.returncode == 0, p.stderr
+
+
+def test_local_input_lengths_skip_the_servers_count(tmp_path):
+    # --input-lengths local: prompts by kvcap's word rule, nothing asked of the server, and the gap shows
+    with start_fake_server(ttft="2ms", itl="1ms", **CHARS4) as srv:
+        summary, _ = bench(srv.url, tmp_path / "run", "--concurrency", "2", "--input-tokens", "40",
+                             "--requests", "8", "--input-lengths", "local")
+        started = srv.stats()["requests_started"]
+    run = RunDir(tmp_path / "run")
+    assert run.manifest["server"]["input_lengths"]["method"] == "off"
+    assert started == 8
+    assert sum(r["input_tokens"] for r in run.records()) / 8 > 40 * 1.05
+    assert len(summary["warnings"]) == 1

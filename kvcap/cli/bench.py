@@ -92,6 +92,9 @@ def _add_request_flags(g: common.Flags) -> None:
     g.add_argument("--dataset", metavar="FILE.jsonl",
                    help="rows with 'prompt' or 'messages' (+ optional output_tokens)")
     g.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer.json: exact prompt token counts")
+    g.add_argument("--input-lengths", choices=("server", "local"), default="server",
+                   help="size prompts by the server's own count (/tokenize or usage probes, checked before the "
+                        "sweep; default) or by the local counter only (--tokenizer, else one word one token)")
     g.add_argument("--prefix-tokens", type=int, default=0, help="shared prefix length per group (0: none)")
     g.add_argument("--prefix-groups", type=int, default=0, help="number of shared-prefix groups")
     g.add_argument("--no-unique-prefix", action="store_true",
@@ -168,7 +171,7 @@ def _bench_config(a: argparse.Namespace) -> Any:
     vary = parse_set(a.vary)
     fixed.update(vary)
     return BenchConfig(target=target, plan=plan, out=Path(a.out), input_dist=workload.input_dist,
-                       output_dist=workload.output_dist, tokenizer=a.tokenizer, dataset=a.dataset,
+                       output_dist=workload.output_dist, tokenizer=a.tokenizer, dataset=a.dataset, server_lengths=a.input_lengths == "server",
                        prefix_tokens=workload.prefix_tokens, prefix_groups=workload.prefix_groups,
                        unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
                        prometheus=_prometheus_url(a.prometheus), local_telemetry=a.local_telemetry,

@@ -63,6 +63,8 @@ class BenchConfig:
     """When the run stops itself against a failing endpoint (kvcap.loadgen.guard)."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     lengths: InputLengths | None = None
+    server_lengths: bool = True
+    """Ask the server how it counts before the sweep (``--input-lengths server``); False: the local counter only."""
     """How prompts are sized to the server's count (kvcap.loadgen.lengths), set before the sweep; workers get it."""
 
 
@@ -114,8 +116,12 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     server = await probe_server(cfg.target)  # before the run directory is emptied: a dead endpoint keeps the old run
     if cfg.target.model is None and server.get("models"):
         cfg.target = replace(cfg.target, model=server["models"][0])
-    cfg.lengths = await calibrate(cfg.target, server, lambda lengths: _factory(cfg, counter, lengths), cfg.plan,
-                                  local_tokenizer=cfg.tokenizer is not None)
+    if cfg.server_lengths:
+        cfg.lengths = await calibrate(cfg.target, server, lambda lengths: _factory(cfg, counter, lengths), cfg.plan,
+                                      local_tokenizer=cfg.tokenizer is not None)
+    else:
+        cfg.lengths = InputLengths(report={"method": "off", "counter": "tokenizer" if cfg.tokenizer else "words",
+                                           "checked": False})
     factory = _factory(cfg, counter)
     writer = RunWriter(cfg.out, overwrite=cfg.overwrite, append=cfg.append)
     started = time.time()
