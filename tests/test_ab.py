@@ -9,7 +9,7 @@ import yaml
 
 from kvcap.procs import free_port
 from kvcap.rundir import RunDir
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 
 def test_ab_interleaves_repeats_and_reports(tmp_path):
@@ -54,3 +54,21 @@ def test_ab_bad_experiment_exit_2(tmp_path):
     path.write_text(yaml.safe_dump({"arms": [{"name": "a", "url": "http://127.0.0.1:9"}], "load": {"concurrency": [1]}}))
     p = run_cli("ab", str(path), "--out", str(tmp_path / "o"))
     assert p.returncode == 2 and "exactly two arms" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_what_if_on_a_scenario_runs_control_as_written_and_treatment_changed(cli, tmp_path):
+    # `ab SCENARIO --treatment KEY=VALUE`: no experiment file needed for a what-if (issue 12)
+    out = tmp_path / "wi"
+    p = cli("ab", str(ROOT / "scenarios" / "seed-reference.yaml"), "--treatment", "serving.kv_offload=remote",
+            "--set", "load.repeats=1", "--set", "load.concurrency=[48,96]", "--set", "load.duration=20s",
+            "--out", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    manifests = {arm: json.loads((out / arm / "manifest.json").read_text()) for arm in ("control", "treatment")}
+    assert manifests["control"]["fixed"]["serving.kv_offload"] == "none"
+    assert manifests["treatment"]["fixed"]["serving.kv_offload"] == "remote"
+    assert manifests["treatment"]["under_test"] == ["serving.kv_offload"]
+    assert result["verdict"] == "capacity-only"
+    bad = cli("ab", str(ROOT / "scenarios" / "seed-reference.yaml"), "--treatment", "serving.bogus=1",
+              "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "serving.bogus" in bad.stderr and "Traceback" not in bad.stderr

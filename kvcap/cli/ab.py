@@ -21,6 +21,7 @@ from kvcap.errors import InputError
 AB_EXAMPLES = """
 examples:
   kvcap ab experiments/offload.yaml --out runs/offload-ab
+  kvcap ab scenarios/seed-reference.yaml --treatment serving.kv_offload=remote --out runs/what-if
 
 experiment file:
   name: kv-offload
@@ -43,8 +44,12 @@ def register(sub: common.Subparsers) -> None:
                            machine cancels, starting and stopping each arm's server command if it has one, then
                            writes DIR/<arm>/ run directories, DIR/compare.json and DIR/report.html.
                        """), epilog=AB_EXAMPLES, formatter_class=common.formatter)
-    p.add_argument("experiment", metavar="EXPERIMENT.yaml")
+    p.add_argument("experiment", metavar="EXPERIMENT.yaml",
+                   help="an experiment file; or, with --treatment, a scenario file (e.g. one `kvcap calibrate` wrote)")
     p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--treatment", action="append", metavar="KEY=VALUE",
+                   help="what-if on a scenario: the control is the scenario as it is, the treatment the scenario "
+                        "with these keys set (repeatable), e.g. --treatment serving.kv_tokens=16384")
     common.add_set_flag(p, help="override an experiment field (repeatable)")
     common.add_quiet_flag(p)
     common.add_json_flag(p, help="print compare.json")
@@ -56,7 +61,7 @@ def cmd_ab(a: argparse.Namespace) -> int:
 
     from kvcap.experiment import SimExperiment, load_any_experiment
 
-    exp = load_any_experiment(a.experiment)
+    exp = what_if(a.experiment, a.treatment) if a.treatment else load_any_experiment(a.experiment)
     if isinstance(exp, SimExperiment):
         return run_sim_ab(exp, a.out, a.set, a.json, a.quiet)
     exp = _real_experiment(a.experiment, a.set)
@@ -64,6 +69,17 @@ def cmd_ab(a: argparse.Namespace) -> int:
     result = asyncio.run(_run_real_ab(exp, out, quiet=a.quiet or a.json))
     _write_and_show(result, out, a.json, footer=lambda: f"report: {out / 'report.html'}")
     return 0
+
+
+def what_if(scenario: str, treatment: list[str]) -> Any:
+    """One scenario as two simulated arms: ``control`` as written, ``treatment`` with the given keys set."""
+    from kvcap.experiment import SimArm, SimExperiment
+    from kvcap.specs.scenario import load_scenario, parse_set
+
+    sets = parse_set(treatment)
+    load_scenario(scenario, sets)  # a bad key or value fails here, naming it, before anything runs
+    return SimExperiment(name=f"what-if {Path(scenario).stem}", scenario=str(Path(scenario).resolve()),
+                         arms=[SimArm(name="control"), SimArm(name="treatment", set=sets)])
 
 
 def _real_experiment(path: str, sets: list[str] | None) -> Any:
