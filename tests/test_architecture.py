@@ -24,7 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"telemetry", "serve"}),
     frozenset({"analysis"}),
     frozenset({"loadgen", "sim", "report", "testing"}),
-    frozenset({"experiment"}),
+    frozenset({"experiment", "calibrate"}),
     frozenset({"cli"}),
     frozenset({"__main__"}),
 )

@@ -1,0 +1,230 @@
+"""The step cost and the limits that make the simulator reproduce measured levels.
+
+First in closed form: below the slot limit every decode step runs ``B = min(load, slots)`` sequences, so
+TPOT ≈ base + per_decode·B (+ per_context_token·B·context when the runs' context lengths differ enough to tell
+that term apart), a relative-error least squares whose covariance gives each coefficient's standard error; the
+first step of a lone request (c=1, else the lowest load) carries its prompt, so TTFT − step there ≈
+per_prefill_token·prompt (no standard error: one level gives it).
+Then refined through the simulator itself (a small Nelder–Mead on the coefficients, bounded in evaluations):
+it minimises the relative errors of TPOT p50 and throughput at every fitted level and of TTFT p50 at the
+lowest-load level of each workload — TTFT under load is mostly queueing, which the limits, not the step cost,
+decide (and a closed loop's arrival phase against the step boundary, which no step cost should absorb).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvcap.calibrate.observe import Observation, ServerFacts
+from kvcap.calibrate.simulate import StepCost, key
+from kvcap.errors import InputError
+from kvcap.specs.scenario import ServingSpec
+
+KV_FULL = 0.99
+"""KV usage at or above this share: the server was full."""
+DEFAULT_SLOTS = ServingSpec().max_num_seqs
+PLATEAU_GAIN = 1.05
+"""Throughput that grows less than this from one level to the next has stopped growing (the slots are full)."""
+CONTEXT_SPREAD = 0.2
+"""Context lengths must differ by this share across levels before the per-context term is fitted."""
+MAX_EVALS = 120
+"""Simulator runs the refinement may spend."""
+X_TOL = 5e-3
+"""Refinement converged: the simplex spans less than this share of each first estimate…"""
+F_TOL = 1e-6
+"""…or its objective values (mean squared relative error) agree this closely: (0.1%)², the simulator's own
+sampling noise on a level's medians, below which the coefficients are not told apart."""
+WORST_RMS = 0.5
+"""A refined fit whose RMS relative error stays above this did not find the server."""
+
+
+@dataclass
+class Fit:
+    cost: StepCost
+    stderr: dict[str, float | None]
+    slots: int
+    slots_source: str
+    converged: bool
+    evaluations: int
+    rms_error: float | None
+    notes: list[str] = field(default_factory=list)
+
+
+def estimate_slots(obs: list[Observation], facts: ServerFacts) -> tuple[int, str]:
+    """Max running sequences: the server's own figure; else the telemetry's running maximum once the server
+    showed it was full (fewer running than the load offered, or the KV usage at 100%); else the load level where
+    throughput stopped growing. A server never seen full keeps the engine's default limit: the runs give only a
+    lower bound, and capping at it would predict a wall nobody measured."""
+    if facts.total_slots:
+        return facts.total_slots, "server /props total_slots"
+    running = [o.running_max for o in obs if o.running_max]
+    top = max(o.level if o.mode == "concurrency" else (o.in_flight or 0.0) for o in obs)
+    never = f"never seen full: the engine default {DEFAULT_SLOTS} (at least {{}} ran at once)"
+    if running:
+        m = round(max(running))
+        if m < top:
+            return m, "telemetry server.requests_running max (fewer running than offered)"
+        if any((o.kv_usage_max or 0.0) >= KV_FULL for o in obs):
+            return m, "telemetry server.requests_running max (with the KV usage at 100%)"
+        return max(m, DEFAULT_SLOTS), never.format(m)
+    closed = sorted((o for o in obs if o.mode == "concurrency"), key=lambda o: o.level)
+    for lo, hi in itertools.pairwise(closed):
+        if hi.throughput < lo.throughput * PLATEAU_GAIN:
+            return int(lo.level), f"throughput plateau from c={lo.level:g}"
+    return max(round(top), DEFAULT_SLOTS), never.format(round(top))
+
+
+def batch(o: Observation, slots: int) -> float:
+    """Sequences decoding together at this level."""
+    load = o.level if o.mode == "concurrency" else (o.in_flight or 1.0)
+    return float(max(1.0, min(load, slots)))
+
+
+def context(o: Observation) -> float:
+    """Mean KV a decoding sequence attends to: its prompt and half its output."""
+    return o.input_tokens + o.output_tokens / 2
+
+
+def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str, float | None], list[str]]:
+    """The linear first estimate and its standard errors (None where the data cannot give one)."""
+    b = np.array([batch(o, slots) for o in obs])
+    if len(set(b.round(6))) < 2:
+        raise InputError(f"every level runs the same batch ({b[0]:g} sequences): base and per-sequence cost cannot "
+                         "be told apart; bench levels below the slot count, e.g. --concurrency 1,2,4,8")
+    ctx = np.array([context(o) for o in obs])
+    y = np.array([o.tpot_p50 for o in obs])
+    cols = [np.ones_like(b), b]
+    use_ctx = len(obs) >= 4 and (ctx.max() - ctx.min()) / ctx.mean() > CONTEXT_SPREAD
+    if use_ctx:
+        cols.append(b * ctx)
+    x = np.stack(cols, axis=1) / y[:, None]  # relative errors: every level weighs the same
+    coef, *_ = np.linalg.lstsq(x, np.ones_like(y), rcond=None)
+    dof = len(y) - x.shape[1]
+    err: list[float | None] = [None] * x.shape[1]
+    if dof > 0:
+        resid = np.ones_like(y) - x @ coef
+        cov = float(resid @ resid) / dof * np.linalg.pinv(x.T @ x)
+        err = [float(np.sqrt(max(v, 0.0))) for v in np.diag(cov)]
+    notes = [] if use_ctx else ["per_context_token not fitted: the levels' context lengths hardly differ (0 s)"]
+    base, per_decode = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
+    per_ctx = max(float(coef[2]), 0.0) if use_ctx else 0.0
+    lone = [o for o in obs if o.mode == "concurrency" and o.level == 1]
+    low = lone[0] if lone else min(obs, key=lambda o: (batch(o, slots), o.level))
+    step = base + per_decode * batch(low, slots) + per_ctx * batch(low, slots) * low.input_tokens
+    ppt = max(low.ttft_p50 - step, 0.0) / max(low.input_tokens, 1.0)
+    stderr = {"base": err[0], "per_decode": err[1], "per_context_token": err[2] if use_ctx else None,
+              "per_prefill_token": None}
+    notes.append(f"per_prefill_token from TTFT at {low.label} ({low.input_tokens:g} prompt tokens)"
+                 + ("" if lone else ": with no lone request (c=1) its queueing is in it too, the refinement trims it"))
+    return StepCost(base, per_decode, ppt, per_ctx), stderr, notes
+
+
+def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str, float], Observation],
+                    slots: int) -> np.ndarray:
+    """The refinement's residuals: TPOT p50 and throughput everywhere, TTFT p50 at each workload's lowest load."""
+    res: list[float] = []
+    lowest: dict[tuple[str, float, float], Observation] = {}
+    for o in measured:
+        g = (o.mode, round(o.input_tokens), round(o.output_tokens))
+        if g not in lowest or batch(o, slots) < batch(lowest[g], slots):
+            lowest[g] = o
+    for o in measured:
+        s = simulated.get(key(o))
+        if s is None:
+            res += [1.0, 1.0]
+            continue
+        res.append(s.tpot_p50 / o.tpot_p50 - 1)
+        res.append(s.throughput / o.throughput - 1 if o.throughput > 0 else 0.0)
+        if o is lowest[(o.mode, round(o.input_tokens), round(o.output_tokens))]:
+            res.append(s.ttft_p50 / o.ttft_p50 - 1)
+    return np.array(res)
+
+
+def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.1, max_evals: int = MAX_EVALS,
+                x_tol: float = X_TOL, f_tol: float = F_TOL) -> tuple[np.ndarray, float, int, bool]:
+    """Minimise ``f`` from ``x0`` (standard coefficients 1, 2, ½, ½); returns (x, f(x), evaluations, converged)."""
+    n = len(x0)
+    pts = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    vals = [f(p) for p in pts]
+    evals = len(pts)
+    while evals < max_evals:
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        spread = max(float(np.max(np.abs(p - pts[0]))) for p in pts[1:])
+        if spread < x_tol or vals[-1] - vals[0] < f_tol:
+            return pts[0], vals[0], evals, True
+        centre = np.mean(pts[:-1], axis=0)
+        xr = centre + (centre - pts[-1])
+        fr = f(xr)
+        evals += 1
+        if vals[0] <= fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        elif fr < vals[0]:
+            xe = centre + 2 * (centre - pts[-1])
+            fe = f(xe)
+            evals += 1
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        else:
+            xc = centre + 0.5 * (pts[-1] - centre)
+            fc = f(xc)
+            evals += 1
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                pts = [pts[0] + 0.5 * (p - pts[0]) for p in pts]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+                evals += n
+    best = int(np.argmin(vals))
+    return pts[best], vals[best], evals, False
+
+
+Simulator = Callable[[StepCost], dict[tuple[str, str, float], Observation]]
+
+
+def refine(obs: list[Observation], start: StepCost, slots: int, sim: Simulator,
+           max_evals: int = MAX_EVALS) -> tuple[StepCost, int, bool, float]:
+    """Nelder–Mead on the coefficients, each scaled by its first estimate (zeros stay zero: nothing to scale),
+    against the simulator; returns (cost, evaluations, converged, RMS relative error)."""
+    x0 = np.array(start.as_tuple())
+    free = x0 > 0
+
+    def cost_of(z: np.ndarray) -> StepCost:
+        x = x0.copy()
+        x[free] = np.abs(z) * x0[free]
+        return StepCost(*(float(v) for v in x))
+
+    def objective(z: np.ndarray) -> float:
+        r = relative_errors(obs, sim(cost_of(z)), slots)
+        return float(np.mean(r * r))
+
+    z, val, evals, converged = nelder_mead(objective, np.ones(int(free.sum())), max_evals=max_evals)
+    return cost_of(z), evals, converged, float(np.sqrt(val))
+
+
+def fit(obs: list[Observation], facts: ServerFacts, sim_for: Callable[[int], Simulator],
+        max_evals: int = MAX_EVALS) -> Fit:
+    """Closed form, then refined by ``sim_for(slots)``; a refinement that does not converge (or converges on
+    nothing like the server) is bad input: the caller writes nothing."""
+    slots, source = estimate_slots(obs, facts)
+    start, stderr, notes = closed_form(obs, slots)
+    cost, evals, converged, rms = refine(obs, start, slots, sim_for(slots), max_evals)
+    if not converged or not np.isfinite(rms) or rms > WORST_RMS:
+        why = (f"not settled after {evals} simulator runs" if not converged
+               else f"the best fit is still {rms:.0%} off (RMS relative error)")
+        raise InputError(f"the fit did not converge ({why}); nothing written — check that the runs come from one "
+                         "server and one configuration")
+    return Fit(cost, stderr, slots, source, converged, evals, rms, notes)
+
+
+def summary_errors(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Mean absolute error % per metric over table rows."""
+    out: dict[str, float | None] = {}
+    for m in ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95"):
+        vals = [abs(r["error_pct"][m]) for r in rows if r["error_pct"].get(m) is not None]
+        out[m] = round(float(np.mean(vals)), 2) if vals else None
+    return out

@@ -1,0 +1,112 @@
+"""Bench run directories → per-level observations and the server's facts, read through the one analysis path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcap.analysis.summary import build_summary
+from kvcap.errors import InputError
+from kvcap.rundir import RunDir
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured level: what was asked, what came back (times in seconds, throughput in output tok/s)."""
+
+    run: str
+    mode: str
+    level: float
+    ttft_p50: float
+    ttft_p95: float
+    tpot_p50: float
+    tpot_p95: float
+    throughput: float
+    input_tokens: float
+    output_tokens: float
+    in_flight: float | None = None
+    running_max: float | None = None
+    kv_usage_max: float | None = None
+    arrival: str = "poisson"
+    """The open-loop arrival process the run used (rate levels only)."""
+    window: tuple[float | None, float | None, int | None, int] = (None, None, None, 0)
+    """The run's (warm-up s, measured duration s, measured requests, seed): an open-loop level past capacity
+    queues for as long as it runs, so the simulator must run it for exactly as long."""
+
+    @property
+    def label(self) -> str:
+        return f"c={self.level:g}" if self.mode == "concurrency" else f"{self.mode}={self.level:g}"
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the server said about itself at preflight (manifest ``server``); None where it did not say."""
+
+    engine: str | None = None
+    total_slots: int | None = None
+    n_ctx: int | None = None
+    max_model_len: int | None = None
+
+
+def _ms(block: dict[str, Any] | None, key: str) -> float | None:
+    v = (block or {}).get(key)
+    return None if v is None else float(v) / 1000.0
+
+
+def level_observation(run: str, lv: dict[str, Any], arrival: str = "poisson",
+                      window: tuple[float | None, float | None, int | None, int] = (None, None, None, 0),
+                      ) -> Observation | None:
+    """A summary level → an observation; None when it has no successful request to learn from."""
+    ttft50, tpot50 = _ms(lv.get("ttft_ms"), "p50"), _ms(lv.get("tpot_ms"), "p50")
+    if not lv.get("ok") or ttft50 is None or tpot50 is None:
+        return None
+    return Observation(
+        run=run, mode=str(lv["mode"]), level=float(lv["level"]), ttft_p50=ttft50,
+        ttft_p95=_ms(lv["ttft_ms"], "p95") or ttft50, tpot_p50=tpot50, tpot_p95=_ms(lv["tpot_ms"], "p95") or tpot50,
+        throughput=float(lv.get("output_tok_s") or 0.0), input_tokens=float(lv.get("input_tokens_mean") or 0.0),
+        output_tokens=float(lv.get("output_tokens_mean") or 0.0), in_flight=lv.get("in_flight_mean"),
+        running_max=lv.get("server_running_max"), kv_usage_max=lv.get("kv_usage_max"), arrival=arrival,
+        window=window)
+
+
+def server_facts(manifest: dict[str, Any]) -> ServerFacts:
+    s = manifest.get("server") or {}
+
+    def num(key: str) -> int | None:
+        v = s.get(key)
+        return int(v) if isinstance(v, (int, float)) and v > 0 else None
+
+    engine = s.get("engine")
+    return ServerFacts(engine=str(engine) if engine else None, total_slots=num("total_slots"), n_ctx=num("n_ctx"),
+                       max_model_len=num("max_model_len"))
+
+
+def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:
+    """Every level with successful requests from every run; the first run's server facts (runs of one server).
+
+    A run with no successful request, or fewer than two usable levels in all, is bad input: the fit would have
+    nothing to stand on.
+    """
+    obs: list[Observation] = []
+    facts: ServerFacts | None = None
+    for path in paths:
+        run = RunDir(path)
+        manifest = run.manifest
+        summary = build_summary(run)
+        if any(lv["mode"] == "trace" for lv in summary["levels"]):
+            raise InputError(f"run {str(path)!r} replayed a trace: calibrate fits closed-loop (--concurrency) or "
+                             "open-loop (--rate) levels")
+        fixed = manifest.get("fixed") or {}
+        arrival = str(fixed.get("load.arrival") or "poisson")
+        window = (fixed.get("load.warmup"), fixed.get("load.duration"), fixed.get("load.requests"),
+                  int(fixed.get("load.seed") or 0))
+        got = [o for lv in summary["levels"] if (o := level_observation(str(path), lv, arrival, window)) is not None]
+        if not got:
+            raise InputError(f"run {str(path)!r} has no successful requests: nothing to calibrate on")
+        obs += got
+        facts = facts or server_facts(manifest)
+    if len(obs) < 2:
+        raise InputError(f"calibrate needs at least 2 load levels with successful requests; got {len(obs)} "
+                         f"({', '.join(o.label for o in obs)}): bench more levels, e.g. --concurrency 1,2,4,8")
+    return obs, facts or ServerFacts()

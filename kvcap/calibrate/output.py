@@ -1,0 +1,105 @@
+"""The calibrated scenario (an ordinary scenario file with a ``calibration:`` section) and the fit table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvcap.calibrate.fit import Fit
+from kvcap.calibrate.observe import Observation, ServerFacts
+from kvcap.calibrate.simulate import StepCost, key, serving_section
+from kvcap.report.console import make_console
+from kvcap.specs.scenario import build_scenario
+
+METRICS = ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95")
+COST_KEYS = ("base", "per_decode", "per_prefill_token", "per_context_token")
+
+
+def engine_of(facts: ServerFacts, asked: str | None) -> str:
+    """The scheduling profile: as asked, else llama.cpp's when the server answered /props, else vLLM's."""
+    if asked:
+        return asked
+    return "llamacpp" if (facts.engine or "").replace(".", "").lower() == "llamacpp" else "vllm"
+
+
+def kv_tokens_of(facts: ServerFacts, slots: int, memory_arithmetic: bool) -> tuple[int | None, str]:
+    """The KV pool in tokens: llama.cpp's n_ctx per slot × slots; else, without a model and GPU to do the memory
+    arithmetic, a pool that never limits (slots × the longest context), since the runs did not show one."""
+    if facts.n_ctx and facts.total_slots:
+        return facts.n_ctx * facts.total_slots, "server /props n_ctx per slot × total_slots"
+    if memory_arithmetic:
+        return None, "memory arithmetic (--model, --gpu)"
+    return slots * (facts.max_model_len or 131072), "not observed: slots × max_model_len, so it never limits"
+
+
+def base_scenario(cost: StepCost, engine: str, slots: int, kv_tokens: int | None, model: str | None,
+                  gpu: str | None) -> dict[str, Any]:
+    """Everything but workload and load: what the simulator needs to be this server."""
+    data: dict[str, Any] = {"serving": serving_section(cost, engine, slots, kv_tokens)}
+    if model:
+        data["model"] = {"config": model} if model.endswith(".json") else {"preset": model}
+    if gpu:
+        data["cluster"] = {"gpu": {"preset": gpu}}
+    return data
+
+
+def _err(sim: float, meas: float) -> float | None:
+    return round(100 * (sim / meas - 1), 2) if meas > 0 else None
+
+
+def table_rows(obs: list[Observation], simulated: dict[tuple[str, str, float], Observation],
+               held_out: set[tuple[str, str, float]]) -> list[dict[str, Any]]:
+    """Per measured level: measured vs simulated (throughput in tok/s, times in ms) and the error in %."""
+    rows = []
+    for o in obs:
+        s = simulated.get(key(o))
+        meas = {m: getattr(o, m) * (1 if m == "throughput" else 1e3) for m in METRICS}
+        sim = {m: (getattr(s, m) * (1 if m == "throughput" else 1e3)) if s else None for m in METRICS}
+        rows.append({"run": o.run, "mode": o.mode, "level": o.level, "held_out": key(o) in held_out,
+                     "measured": {m: round(v, 3) for m, v in meas.items()},
+                     "simulated": {m: None if v is None else round(v, 3) for m, v in sim.items()},
+                     "error_pct": {m: None if sim[m] is None else _err(sim[m], meas[m]) for m in METRICS}})
+    return rows
+
+
+def calibration_section(runs: list[str], result: Fit, engine: str, kv_source: str, rows: list[dict[str, Any]],
+                        fit_error: dict[str, Any], holdout_error: dict[str, Any] | None) -> dict[str, Any]:
+    cost = dict(zip(COST_KEYS, result.cost.as_tuple(), strict=True))
+    return {
+        "source_runs": runs, "engine": engine,
+        "coefficients": {k: {"value_s": v, "stderr_s": result.stderr.get(k)} for k, v in cost.items()},
+        "stderr_of": "the closed-form least squares on TPOT p50 (relative residuals), before the refinement",
+        "slots": {"value": result.slots, "source": result.slots_source}, "kv_tokens_source": kv_source,
+        "fit": {"method": "closed-form least squares, refined by Nelder-Mead through the simulator",
+                "converged": result.converged, "simulator_runs": result.evaluations,
+                "rms_relative_error": round(result.rms_error or 0.0, 5), "notes": result.notes},
+        "fit_error_pct": fit_error, "holdout_error_pct": holdout_error, "table": rows}
+
+
+def write_scenario(path: Path, base: dict[str, Any], calibration: dict[str, Any], name: str) -> dict[str, Any]:
+    """Validate as ``kvcap sim`` would read it, then write; returns the data written."""
+    data = {"name": name, "description": "fitted by kvcap calibrate from " + ", ".join(calibration["source_runs"]),
+            **base, "calibration": calibration}
+    build_scenario(data, "calibrated scenario")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True))
+    return data
+
+
+def render_table(rows: list[dict[str, Any]], title: str) -> None:
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("level")
+    for head in ("tok/s", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms", "TPOT p95 ms"):
+        t.add_column(head + " meas/sim (err)", justify="right")
+    for r in rows:
+        cells = []
+        for m in METRICS:
+            sim, err = r["simulated"][m], r["error_pct"][m]
+            cells.append(f"{r['measured'][m]:.1f} / " + ("–" if sim is None else f"{sim:.1f} ({err:+.1f}%)"))
+        name = f"c={r['level']:g}" if r["mode"] == "concurrency" else f"{r['mode']}={r['level']:g}"
+        t.add_row(name + (" (held out)" if r["held_out"] else ""), *cells)
+    make_console().print(t)

@@ -1,0 +1,59 @@
+"""Runs → observations → fit → the calibrated scenario and its table: the one path ``kvcap calibrate`` takes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvcap.calibrate.fit import MAX_EVALS, Simulator, fit, summary_errors
+from kvcap.calibrate.observe import Observation, observe
+from kvcap.calibrate.output import (
+    base_scenario,
+    calibration_section,
+    engine_of,
+    kv_tokens_of,
+    table_rows,
+    write_scenario,
+)
+from kvcap.calibrate.simulate import StepCost, key, simulate
+from kvcap.errors import InputError
+
+
+def split_holdout(obs: list[Observation], holdout: tuple[float, ...]) -> tuple[list[Observation], list[Observation]]:
+    """(levels to fit on, levels held out); every held-out level must have been measured, two must remain."""
+    missing = [f"{v:g}" for v in holdout if not any(o.level == v for o in obs)]
+    if missing:
+        raise InputError(f"--holdout {','.join(missing)}: no such measured level "
+                         f"(measured: {', '.join(sorted({f'{o.level:g}' for o in obs}, key=float))})")
+    kept = [o for o in obs if o.level not in holdout]
+    if len(kept) < 2:
+        raise InputError(f"--holdout leaves {len(kept)} level(s) to fit on; calibrate needs at least 2")
+    return kept, [o for o in obs if o.level in holdout]
+
+
+def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tuple[float, ...] = (),
+              model: str | None = None, gpu: str | None = None, max_evals: int = MAX_EVALS) -> dict[str, Any]:
+    """Fit, write ``out`` (only when the fit converged), and return what ``--json`` prints."""
+    obs, facts = observe(runs)
+    fitted, held = split_holdout(obs, holdout)
+    profile = engine_of(facts, engine)
+    hint = min(o.tpot_p50 for o in obs)
+
+    def base_for(cost: StepCost, slots: int) -> tuple[dict[str, Any], str]:
+        kv, source = kv_tokens_of(facts, slots, memory_arithmetic=bool(model and gpu))
+        return base_scenario(cost, profile, slots, kv, model, gpu), source
+
+    def sim_for(slots: int) -> Simulator:
+        return lambda cost: simulate(base_for(cost, slots)[0], fitted, hint)
+
+    result = fit(fitted, facts, sim_for, max_evals)
+    base, kv_source = base_for(result.cost, result.slots)
+    simulated = simulate(base, obs, hint)
+    rows = table_rows(obs, simulated, {key(o) for o in held})
+    fit_error = summary_errors([r for r in rows if not r["held_out"]])
+    holdout_error = summary_errors([r for r in rows if r["held_out"]]) if held else None
+    section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
+    write_scenario(out, base, section, name=f"calibrated-{Path(runs[0]).name}")
+    return {"scenario": str(out), "engine": profile, "slots": result.slots, "slots_source": result.slots_source,
+            "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": section["coefficients"],
+            "fit": section["fit"], "table": rows, "fit_error": fit_error, "holdout_error": holdout_error}

@@ -1,0 +1,97 @@
+"""A candidate step cost → the scenario that carries it → the simulator run over the observed levels."""
+
+from __future__ import annotations
+
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcap.calibrate.observe import Observation, level_observation
+from kvcap.sim.run import SimConfig, run_sim
+from kvcap.specs.scenario import build_scenario
+from kvcap.workload.loadplan import LoadPlan
+
+SIM_REQUESTS_MIN = 64
+"""Measured requests per simulated level (at least; 8 per stream above that): enough for stable medians."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds: step = base + per_decode·sequences + per_prefill_token·prompt tokens + per_context_token·KV read."""
+
+    base: float
+    per_decode: float
+    per_prefill_token: float = 0.0
+    per_context_token: float = 0.0
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.base, self.per_decode, self.per_prefill_token, self.per_context_token)
+
+
+def duration(seconds: float) -> str:
+    """A unit string the scenario schema reads back exactly enough (ns resolution)."""
+    return f"{seconds * 1e3:.6g}ms"
+
+
+def serving_section(cost: StepCost, engine: str, slots: int, kv_tokens: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"engine": engine, "max_num_seqs": int(slots),
+                           "step_cost": {"base": duration(cost.base), "per_decode": duration(cost.per_decode),
+                                         "per_prefill_token": duration(cost.per_prefill_token),
+                                         "per_context_token": duration(cost.per_context_token)}}
+    if kv_tokens is not None:
+        out["kv_tokens"] = int(kv_tokens)
+    return out
+
+
+Group = tuple[str, int, int, str, tuple[float | None, float | None, int | None, int]]
+
+
+def groups(obs: list[Observation]) -> dict[Group, list[Observation]]:
+    """Levels that one simulated run can reproduce: same mode, same (rounded) lengths; open loop also the same
+    arrival process and window."""
+    out: dict[Group, list[Observation]] = defaultdict(list)
+    for o in obs:
+        closed = o.mode == "concurrency"
+        out[(o.mode, max(1, round(o.input_tokens)), max(1, round(o.output_tokens)), "" if closed else o.arrival,
+             (None, None, None, 0) if closed else o.window)].append(o)
+    return out
+
+
+def group_sections(key: Group, levels: list[float], tpot_s: float) -> dict[str, Any]:
+    """The workload and load sections of one simulated run. Closed loop: a warm-up of a few requests' length,
+    then a count (its steady state does not depend on the window). Open loop: the run's own window and seed."""
+    mode, n_in, n_out, arrival, (warmup, measured, requests, seed) = key
+    if mode == "concurrency":
+        load: dict[str, Any] = {"concurrency": sorted({int(v) for v in levels}), "duration": None,
+                                "warmup": duration(3 * n_out * max(tpot_s, 1e-4)),
+                                "requests": int(max(SIM_REQUESTS_MIN, 8 * max(levels)))}
+    else:
+        load = {"rate": sorted(set(levels)), "arrival": arrival, "warmup": warmup or 0.0, "duration": measured,
+                "requests": requests, "seed": seed}
+    return {"workload": {"input_tokens": n_in, "output_tokens": n_out}, "load": load}
+
+
+def simulate(base: dict[str, Any], obs: list[Observation], tpot_hint_s: float) -> dict[tuple[str, str, float], Observation]:
+    """Simulate every observed level with the scenario ``base`` (serving, model, cluster set); keyed like
+    :func:`key`. Each group is one ``run_sim`` into a scratch directory (the simulator writes run directories)."""
+    out: dict[tuple[str, str, float], Observation] = {}
+    with tempfile.TemporaryDirectory(prefix="kvcap-calibrate-") as tmp:
+        for i, (gkey, members) in enumerate(groups(obs).items()):
+            data = {**base, **group_sections(gkey, [o.level for o in members], tpot_hint_s)}
+            scenario = build_scenario(data, "calibrated scenario")
+            plan = LoadPlan.from_spec(scenario.load)
+            summary = run_sim(SimConfig(scenario=scenario, plan=plan, out=Path(tmp) / f"g{i}", record_itl=False,
+                                        overwrite=True))
+            by_level = {float(lv["level"]): lv for lv in summary["levels"]}
+            for o in members:
+                lv = by_level.get(o.level)
+                got = level_observation(o.run, lv) if lv is not None else None
+                if got is not None:
+                    out[key(o)] = got
+    return out
+
+
+def key(o: Observation) -> tuple[str, str, float]:
+    return (o.run, o.mode, o.level)

@@ -1,0 +1,169 @@
+"""`kvcap calibrate` against the project's batching server, whose step is known: step = a + b·batch.
+
+Fit on 8 slots at c = 1, 2, 4, 8; then predict 24 slots with the simulator and check the prediction against a bench
+of the same server started with 24 slots. The pure parts (closed form, slots, Nelder–Mead, the convergence rule)
+are checked on exact synthetic levels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from kvcap.calibrate.fit import closed_form, estimate_slots, fit, nelder_mead
+from kvcap.calibrate.observe import Observation, ServerFacts
+from kvcap.errors import InputError
+from kvcap.specs.scenario import load_scenario
+from tests.conftest import run_cli
+from tests.servers import start_fake_server
+
+A, B = 0.020, 0.003  # the test server's truth: --step-a 20ms --step-b 3ms
+LENGTHS = ("--input-tokens", "64", "--output-tokens", "32")
+SLO = "tpot_p95=80ms"
+
+
+def obs(level: float, tpot: float, ttft: float, thr: float = 100.0, n_in: float = 64, n_out: float = 32,
+        running: float | None = None) -> Observation:
+    return Observation(run="r", mode="concurrency", level=level, ttft_p50=ttft, ttft_p95=ttft, tpot_p50=tpot,
+                       tpot_p95=tpot, throughput=thr, input_tokens=n_in, output_tokens=n_out, running_max=running)
+
+
+# ---------------------------------------------------------------- pure parts
+
+def test_closed_form_recovers_an_exact_step_model():
+    ppt = 50e-6
+    levels = [obs(c, A + B * c, A + B * c + ppt * 64 if c == 1 else 0.1) for c in (1, 2, 4, 8)]
+    cost, stderr, notes = closed_form(levels, slots=8)
+    assert cost.base == pytest.approx(A, rel=1e-9)
+    assert cost.per_decode == pytest.approx(B, rel=1e-9)
+    assert cost.per_prefill_token == pytest.approx(ppt, rel=1e-6)
+    assert cost.per_context_token == 0.0 and "per_context_token not fitted" in notes[0]
+    assert stderr["base"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_closed_form_separates_the_context_term_when_lengths_differ():
+    pc = 2e-6  # per KV token
+    levels = [obs(c, A + B * c + pc * c * (n + 16), 1.0, n_in=n) for c in (1, 2, 4, 8) for n in (64, 1024)]
+    cost, _, _ = closed_form(levels, slots=8)
+    assert (cost.base, cost.per_decode, cost.per_context_token) == pytest.approx((A, B, pc), rel=1e-6)
+
+
+def test_closed_form_needs_two_batch_sizes():
+    with pytest.raises(InputError, match="same batch"):
+        closed_form([obs(8, 0.044, 0.06), obs(16, 0.044, 0.5)], slots=8)
+
+
+def test_slots_from_the_server_then_telemetry_then_the_throughput_plateau():
+    levels = [obs(c, 0.03, 0.05, thr=t, running=min(c, 6)) for c, t in ((2, 100), (4, 180), (8, 200), (16, 201))]
+    assert estimate_slots(levels, ServerFacts(total_slots=4)) == (4, "server /props total_slots")
+    assert estimate_slots(levels, ServerFacts())[0] == 6
+    below = [obs(c, 0.03, 0.05, running=c) for c in (1, 2, 4)]  # never full: only a lower bound
+    assert estimate_slots(below, ServerFacts())[0] == 256
+    no_telemetry = [obs(o.level, o.tpot_p50, o.ttft_p50, o.throughput) for o in levels]
+    assert estimate_slots(no_telemetry, ServerFacts()) == (8, "throughput plateau from c=8")
+
+
+def test_nelder_mead_finds_a_minimum_and_says_when_it_ran_out():
+    x, _, _, converged = nelder_mead(lambda z: float(np.sum((z - [2.0, -1.0]) ** 2)), np.zeros(2), max_evals=400)
+    assert converged and x == pytest.approx([2.0, -1.0], abs=0.01)
+    *_, converged = nelder_mead(lambda z: float(np.sum((z - [2.0, -1.0]) ** 2)), np.zeros(2), max_evals=6)
+    assert not converged
+
+
+def test_a_fit_the_simulator_cannot_reproduce_is_refused():
+    levels = [obs(c, A + B * c, A + B * c, running=c) for c in (1, 2, 4, 8)]
+    with pytest.raises(InputError, match="did not converge"):
+        fit(levels, ServerFacts(), lambda slots: lambda cost: {})  # a simulator that reproduces no level
+
+
+# ---------------------------------------------------------------- over real HTTP
+
+def bench(url: str, out: Path, *args: str) -> None:
+    proc = run_cli("bench", "--url", url, "--out", str(out), "--quiet", "--json", "--metrics-url", url + "/metrics",
+                   *LENGTHS, *args, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def profile8(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cal") / "run8"
+    with start_fake_server(slots=8, step_a="20ms", step_b="3ms") as srv:
+        bench(srv.url, out, "--concurrency", "1,2,4,8", "--warmup", "1s", "--duration", "3s")
+    return out
+
+
+def calibrate_json(*args: str) -> dict:
+    proc = run_cli("calibrate", *args, "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_calibrate_finds_the_step_and_slots_then_predicts_24_slots(profile8, tmp_path):
+    scenario = tmp_path / "calibrated.yaml"
+    r = calibrate_json(str(profile8), "--out", str(scenario))
+    cost = {k: v["value_s"] for k, v in r["step_cost"].items()}
+    assert cost["base"] == pytest.approx(A, rel=0.10)
+    assert cost["per_decode"] == pytest.approx(B, rel=0.10)
+    assert r["slots"] == 8 and r["fit"]["converged"]
+    assert r["fit_error"]["tpot_p50"] < 2 and r["fit_error"]["throughput"] < 2
+    # an ordinary scenario file: what `kvcap sim` reads, with the calibration section beside it
+    s = load_scenario(scenario)
+    assert s.serving.max_num_seqs == 8 and s.serving.step_cost is not None
+    assert s.calibration is not None and len(s.calibration["table"]) == 4
+
+    sim = run_cli("sim", str(scenario), "--set", "serving.max_num_seqs=24", "--concurrency", "8,16,24", *LENGTHS,
+                  "--slo", SLO, "--out", str(tmp_path / "sim24"), "--quiet", "--json")
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    predicted = json.loads(sim.stdout)
+    with start_fake_server(slots=24, step_a="20ms", step_b="3ms") as srv:
+        bench(srv.url, tmp_path / "run24", "--concurrency", "8,16,24", "--warmup", "3s", "--duration", "6s",
+              "--slo", SLO)
+    measured = json.loads((tmp_path / "run24" / "summary.json").read_text())
+    for c in (8, 16, 24):
+        p = next(lv for lv in predicted["levels"] if lv["level"] == c)
+        m = next(lv for lv in measured["levels"] if lv["level"] == c)
+        assert p["tpot_ms"]["p50"] == pytest.approx(m["tpot_ms"]["p50"], rel=0.05), c
+        assert p["output_tok_s"] == pytest.approx(m["output_tok_s"], rel=0.05), c
+    # truth: TPOT p95 = 20 + 3·c ms → 68 ms at 16 passes 80 ms, 92 ms at 24 fails
+    assert measured["capacity"]["effective"] == predicted["capacity"]["effective"] == 16
+
+
+def test_holdout_reports_the_error_on_levels_left_out(profile8, tmp_path):
+    out = tmp_path / "held.yaml"
+    r = calibrate_json(str(profile8), "--out", str(out), "--holdout", "8")
+    held = [row for row in r["table"] if row["held_out"]]
+    assert [row["level"] for row in held] == [8.0]
+    assert r["holdout_error"]["tpot_p50"] == pytest.approx(abs(held[0]["error_pct"]["tpot_p50"]))
+    assert r["holdout_error"]["tpot_p50"] < 5 and r["holdout_error"]["throughput"] < 5
+    assert yaml.safe_load(out.read_text())["calibration"]["holdout_error_pct"] == r["holdout_error"]
+    text = run_cli("calibrate", str(profile8), "--out", str(out), "--holdout", "8")
+    assert text.returncode == 0 and "c=8 (held out)" in text.stdout and "held-out error" in text.stdout
+
+
+def test_one_level_is_refused_naming_what_is_missing(tmp_path):
+    with start_fake_server(slots=8, step_a="20ms", step_b="3ms") as srv:
+        bench(srv.url, tmp_path / "one", "--concurrency", "4", "--warmup", "0s", "--requests", "8")
+    proc = run_cli("calibrate", str(tmp_path / "one"), "--out", str(tmp_path / "x.yaml"))
+    assert proc.returncode == 2, proc.stderr
+    assert "at least 2 load levels" in proc.stderr and "got 1 (c=4)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "x.yaml").exists()
+
+
+def test_a_run_without_successful_requests_is_refused_naming_it(tmp_path):
+    with start_fake_server(ttft="5ms", itl="1ms", fault=["http_500:every=1"]) as srv:
+        proc = run_cli("bench", "--url", srv.url, "--out", str(tmp_path / "failed"), "--quiet", "--concurrency",
+                       "1,2", *LENGTHS, "--warmup", "0s", "--requests", "4")
+    assert proc.returncode == 1  # bench itself says the run failed; calibrate must not fit it
+    proc = run_cli("calibrate", str(tmp_path / "failed"), "--out", str(tmp_path / "x.yaml"))
+    assert proc.returncode == 2, proc.stderr
+    assert "has no successful requests" in proc.stderr and "failed" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "x.yaml").exists()
+
+
+def test_holdout_of_an_unmeasured_level_is_bad_input(profile8, tmp_path):
+    proc = run_cli("calibrate", str(profile8), "--out", str(tmp_path / "x.yaml"), "--holdout", "3")
+    assert proc.returncode == 2 and "--holdout 3: no such measured level" in proc.stderr
