@@ -9,7 +9,7 @@ import yaml
 
 from kvcap.calibrate.fit import Fit
 from kvcap.calibrate.observe import Observation, ServerFacts
-from kvcap.calibrate.simulate import StepCost, key, serving_section
+from kvcap.calibrate.simulate import StepCost, group_sections, groups, key, serving_section
 from kvcap.report.console import make_console
 from kvcap.specs.scenario import build_scenario
 
@@ -76,6 +76,14 @@ def calibration_section(runs: list[str], result: Fit, engine: str, kv_source: st
                 "converged": result.converged, "simulator_runs": result.evaluations,
                 "rms_relative_error": round(result.rms_error or 0.0, 5), "notes": result.notes},
         "fit_error_pct": fit_error, "holdout_error_pct": holdout_error, "table": rows}
+
+
+def measured_load(obs: list[Observation], tpot_s: float) -> dict[str, Any]:
+    """The workload and load the runs measured (the group with the most levels), so the calibrated scenario runs
+    as is: ``kvcap sim calibrated.yaml`` and ``kvcap ab calibrated.yaml --treatment …`` need no load flags."""
+    grouped = groups(obs)
+    main = max(grouped, key=lambda g: len(grouped[g]))
+    return group_sections(main, [o.level for o in grouped[main]], tpot_s)
 
 
 def write_scenario(path: Path, base: dict[str, Any], calibration: dict[str, Any], name: str) -> dict[str, Any]:

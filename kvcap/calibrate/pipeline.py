@@ -12,6 +12,7 @@ from kvcap.calibrate.output import (
     calibration_section,
     engine_of,
     kv_tokens_of,
+    measured_load,
     table_rows,
     write_scenario,
 )
@@ -53,7 +54,7 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     fit_error = summary_errors([r for r in rows if not r["held_out"]])
     holdout_error = summary_errors([r for r in rows if r["held_out"]]) if held else None
     section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
-    write_scenario(out, base, section, name=f"calibrated-{Path(runs[0]).name}")
+    write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")
     return {"scenario": str(out), "engine": profile, "slots": result.slots, "slots_source": result.slots_source,
             "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": section["coefficients"],
             "fit": section["fit"], "table": rows, "fit_error": fit_error, "holdout_error": holdout_error}
