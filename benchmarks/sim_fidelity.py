@@ -1,6 +1,6 @@
 """How close the simulator comes to real vLLM runs, with presets alone (no fitting to these runs).
 
-Reads the published measurements in ``benchmarks/data/vllm_measured.yaml`` (sources there), simulates each point
+Reads the published measurements in ``data/vllm_measured.yaml`` (sources there), simulates each point
 with the same GPU, model, dtype, engine limits, lengths and load, and prints mean TTFT, TPOT, E2E and output
 throughput, measured vs simulated, with the error. Throughput and latencies are computed from the simulated
 records exactly as ``benchmark_serving.py`` does: total output tokens / (last completion − first send); E2E of
@@ -50,7 +50,7 @@ def simulate(scenario: dict[str, Any], mode: str, level: float, requests: int | 
 
 
 def main() -> None:
-    data = yaml.safe_load((ROOT / "benchmarks" / "data" / "vllm_measured.yaml").read_text())
+    data = yaml.safe_load((ROOT / "data" / "vllm_measured.yaml").read_text())
     errors: dict[str, list[float]] = {"ttft_ms": [], "tpot_ms": [], "e2e_ms": [], "output_tok_s": []}
     per_set: dict[str, dict[str, list[float]]] = {}
     print(f"{'set':26} {'level':>6} | {'TTFT ms meas/sim':>18} | {'TPOT ms meas/sim':>18} | {'E2E s meas/sim':>15} "

@@ -15,7 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_TESTS = ("tests/test_workload.py::test_real_traces_read", "tests/test_sim_cost_calibration.py",
-              "tests/test_sim.py::test_mooncake_trace_drives_prefix_caching_and_the_tier")
+              "tests/test_sim.py::test_mooncake_trace_drives_prefix_caching_and_the_tier",
+              "tests/test_calibrate_published.py")
 OUTSIDE = re.compile(r"\.\./shared|parents\[2\]|ROOT\.parent|parent\.parent / \"shared\"")
 
 

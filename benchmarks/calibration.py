@@ -1,0 +1,90 @@
+"""Held-out prediction errors of a calibrated simulator against published real-vLLM runs.
+
+For each published set in ``data/vllm_measured.yaml`` (sources there): calibrate the step cost on its lowest
+third of load levels (at least two) through ``kvcap.calibrate.published`` (the same fit ``kvcap calibrate`` runs),
+predict every other level with the simulator, and print one table of the errors on the predicted points only —
+the fit never sees them. The A100 0.25-utilisation set is predicted from the 0.5 set's fit with only the KV pool
+changed to the one its log states (a what-if on memory: none of its points is fitted).
+
+    .venv/bin/python benchmarks/calibration.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvcap.calibrate.published import PublishedSet, calibrate_and_predict, load_sets, rows  # noqa: E402
+
+DATA = ROOT / "data" / "vllm_measured.yaml"
+WHAT_IF = {"a100-qwen2-7b-util0.25": "a100-qwen2-7b-util0.5"}
+"""Sets with no fit of their own: predicted from another set's fit (same server, a different KV pool)."""
+METRICS = ("tpot", "e2e", "throughput", "ttft")
+
+
+def fit_levels(s: PublishedSet) -> tuple[float, ...]:
+    """The lowest third of a set's levels, at least two: fixed before looking at any error."""
+    levels = sorted(p["level"] for p in s.points)
+    return tuple(levels[:max(2, math.ceil(len(levels) / 3))])
+
+
+def predictions(sets: list[PublishedSet]) -> list[dict[str, Any]]:
+    by_name = {s.name: s for s in sets}
+    out = []
+    for s in sets:
+        source = by_name[WHAT_IF[s.name]] if s.name in WHAT_IF else s
+        p = calibrate_and_predict(source, fit_levels(source), target=s if source is not s else None)
+        out += [{**r, "fit_on": f"{source.name} @ {', '.join(f'{v:g}' for v in p.fitted)}",
+                 "step_cost_ms": [round(v * 1e3, 5) for v in p.fit.cost.as_tuple()]} for r in rows(p)]
+    return out
+
+
+def fmt(v: float | None) -> str:
+    return "   –   " if v is None else f"{v:+6.1f}%"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args()
+    table = predictions(load_sets(DATA))
+    if args.json:
+        print(json.dumps(table, indent=1))
+        return
+    print(f"{'set':24} {'level':>5} {'fit on':>12} | {'TPOT ms meas/sim':>22} | {'E2E s meas/sim':>21} | "
+          f"{'out tok/s meas/sim':>24} | {'TTFT ms meas/sim':>24}")
+    for r in table:
+        m, s, e = r["measured"], r["simulated"], r["error_pct"]
+        fit_on = r["fit_on"].split(" @ ")[1] + ("*" if not r["fit_on"].startswith(r["set"] + " ") else "")
+        print(f"{r['set']:24} {r['level']:>5g} {fit_on:>12} | {m['tpot_ms']:6.2f} / {s['tpot_ms']:6.2f} "
+              f"{fmt(e['tpot'])} | {m['e2e_ms'] / 1e3:5.2f} / {s['e2e_ms'] / 1e3:5.2f} {fmt(e['e2e'])} | "
+              f"{m['output_tok_s']:6.0f} / {s['output_tok_s']:6.0f} {fmt(e['throughput'])} | "
+              f"{m['ttft_ms']:6.0f} / {s['ttft_ms']:6.0f} {fmt(e['ttft'])}" + (" c" if r["ttft_cached"] else ""))
+    print("* fitted on a100-qwen2-7b-util0.5's levels, KV pool changed to the 93,872 tokens this set's log states")
+    print("c: measured TTFT below the floor of an uncached prefill (FLOPs at the GPU's peak): prefix-cache hits")
+    print()
+    for k, cached in [(m, True) for m in METRICS] + [("ttft", False)]:
+        a = np.abs([r["error_pct"][k] for r in table if r["error_pct"][k] is not None
+                    and (cached or not r["ttft_cached"])])
+        k = k if cached else "ttft (uncached points)"
+        print(f"{k:10} held-out mean |error| {a.mean():5.1f}%   median {np.median(a):5.1f}%   worst {a.max():5.1f}%"
+              f"   within 10%: {int((a <= 10).sum())}/{len(a)}")
+    seen: dict[str, list[float]] = {}
+    for r in table:
+        seen.setdefault(r["fit_on"], r["step_cost_ms"])
+    for f, c in seen.items():
+        print(f"fit {f}: base {c[0]:.4g} ms, per_decode {c[1]:.4g} ms, per_prefill_token {c[2]:.4g} ms, "
+              f"per_context_token {c[3]:.4g} ms")
+
+
+if __name__ == "__main__":
+    main()

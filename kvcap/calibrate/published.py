@@ -1,0 +1,240 @@
+"""Published serving measurements (summary points, not run directories) → the observations ``fit`` takes.
+
+Why: benchmark reports of real vLLM give, per load level, only means (TTFT, TPOT, output throughput) of a
+``benchmark_serving.py`` run — a Poisson rate with a fixed request count, or N requests sent at once (a burst).
+That is enough to calibrate on the lowest levels and predict the rest, if the simulator replays the same runs and
+reduces its records the same way: means, and throughput = output tokens / (last completion − first send).
+Means stand in for the observations' p50 (and p95) fields on both sides, so the fit compares like with like.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from kvcap.calibrate.fit import Fit, Simulator, fit
+from kvcap.calibrate.observe import Observation, ServerFacts
+from kvcap.calibrate.simulate import StepCost, key, serving_section
+from kvcap.errors import InputError
+from kvcap.rundir import RunDir
+from kvcap.sim.run import SimConfig, run_sim
+from kvcap.specs.hardware import load_gpu
+from kvcap.specs.lengths import parse_length
+from kvcap.specs.model import load_model
+from kvcap.specs.scenario import build_scenario
+from kvcap.workload.loadplan import LoadPlan
+
+MODES = ("rate", "burst")
+MAX_EVALS = 300
+"""Simulator runs the refinement may spend: a Poisson set of 200 requests with ShareGPT-like lengths gives a
+flatter, rougher objective than a closed loop; the RTX 4090 set settles after ~130 (the default, 120, is short)."""
+CACHED = "cached"
+"""The fit's mode for a point whose measured TTFT is below :func:`ttft_floor_s`: part of its prompts were served
+from vLLM's prefix cache (on by default in V1; ``benchmark_serving.py`` also sends ``input_requests[0]`` once
+as a test prompt before the run, so a burst of one is a cache hit — on the A100 set 36 ms for 1,024 tokens, below
+the 43 ms floor). Its TPOT and throughput still count; its TTFT prices no prefill. In a mode of its own it is not
+its group's lowest-load TTFT, so the refinement takes TTFT from the lowest uncached level."""
+
+
+@dataclass(frozen=True)
+class PublishedSet:
+    """One published series: the scenario it ran (GPU, model, engine limits, lengths), how load was offered,
+    the measured KV pool in tokens where the source states it, and the points."""
+
+    name: str
+    scenario: dict[str, Any]
+    mode: str
+    requests: int | None
+    kv_tokens: int | None
+    points: tuple[dict[str, float], ...]
+
+    @property
+    def lengths(self) -> tuple[float, float]:
+        """Mean prompt and output tokens of the workload."""
+        w = self.scenario["workload"]
+        return parse_length(w["input_tokens"]).mean, parse_length(w["output_tokens"]).mean
+
+
+def load_sets(path: Path) -> list[PublishedSet]:
+    """Read a ``vllm_measured.yaml``-style file; a malformed one is bad input."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+        out = []
+        for s in raw["sets"]:
+            mode = s["load"]["mode"]
+            if mode not in MODES:
+                raise ValueError(f"set {s['name']}: load.mode {mode!r} is not one of {', '.join(MODES)}")
+            pts = tuple({k: float(v) for k, v in p.items()} for p in s["points"])
+            out.append(PublishedSet(str(s["name"]), s["scenario"], mode, s["load"].get("requests"),
+                                    (s.get("measured") or {}).get("kv_tokens"), pts))
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
+        raise InputError(f"published measurements {str(path)!r}: {e}") from None
+    return out
+
+
+def ttft_floor_s(s: PublishedSet, level: float) -> float:
+    """The least mean TTFT a level can have with no prefix-cache hit: a prompt's prefill FLOPs (2 × the
+    parameters a token passes through, embeddings aside, × its tokens) at the GPU's dense 16-bit peak; a burst
+    of N prefills first come, first served, so its mean waits (N + 1) / 2 of them. A measured TTFT below it was
+    (partly) served from the cache."""
+    sc = build_scenario(s.scenario, f"published set {s.name}")
+    model, gpu = load_model(sc.model.ref, sc.model.num_parameters), load_gpu(sc.cluster.gpu.preset)
+    peak = (gpu.fp16_tflops if sc.model.weights_dtype == "fp16" and gpu.fp16_tflops else gpu.bf16_tflops) * 1e12
+    one = 2 * (model.active_parameters - model.embedding_parameters) * s.lengths[0] / peak
+    return one * ((level + 1) / 2 if s.mode == "burst" else 1.0)
+
+
+def observation(run: str, mode: str, level: float, ttft_s: float, tpot_s: float, throughput: float,
+                input_tokens: float, output_tokens: float) -> Observation:
+    """A point of means → an observation. A burst of N decodes N together (``in_flight``); a rate level's
+    in-flight count is Little's law: completions/s (throughput / mean output) × E2E."""
+    e2e = e2e_s(ttft_s, tpot_s, output_tokens)
+    in_flight = level if mode == "burst" else throughput / max(output_tokens, 1.0) * e2e
+    return Observation(run=run, mode=mode, level=level, ttft_p50=ttft_s, ttft_p95=ttft_s, tpot_p50=tpot_s,
+                       tpot_p95=tpot_s, throughput=throughput, input_tokens=input_tokens,
+                       output_tokens=output_tokens, in_flight=in_flight)
+
+
+def e2e_s(ttft_s: float, tpot_s: float, output_tokens: float) -> float:
+    """E2E as the sources derive it from their means: TTFT + TPOT × (mean output − 1)."""
+    return ttft_s + tpot_s * max(output_tokens - 1.0, 0.0)
+
+
+def observations(s: PublishedSet) -> list[Observation]:
+    n_in, n_out = s.lengths
+    return [observation(s.name, s.mode, p["level"], p["ttft_ms"] / 1e3, p["tpot_ms"] / 1e3, p["output_tok_s"],
+                        n_in, n_out) for p in s.points]
+
+
+def scenario_for(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None) -> dict[str, Any]:
+    """The set's scenario with the fitted step cost and limits in its serving section (its own budget and
+    chunked-prefill settings kept)."""
+    serving = {**s.scenario.get("serving", {}), **serving_section(cost, "vllm", slots, kv_tokens)}
+    return {**s.scenario, "serving": serving}
+
+
+def plan_for(s: PublishedSet, level: float) -> LoadPlan:
+    """The run the source made: a burst is a closed loop of N with a quota of N (all sent at once, nothing
+    after); a rate is Poisson arrivals for the stated request count."""
+    if s.mode == "burst":
+        return LoadPlan(mode="concurrency", levels=(level,), warmup_s=0.0, duration_s=None, requests=int(level))
+    return LoadPlan(mode="rate", levels=(level,), warmup_s=0.0, duration_s=None, requests=s.requests,
+                    arrival="poisson")
+
+
+def reduce_records(recs: list[dict[str, Any]]) -> tuple[float, float, float, float]:
+    """(mean TTFT s, mean TPOT s, output tok/s, mean output tokens), as ``benchmark_serving.py`` reduces a run."""
+    ok = [r for r in recs if r["ok"]]
+    if not ok:
+        return math.nan, math.nan, 0.0, 0.0
+    span = max(r["end_s"] for r in ok) - min(r["start_s"] for r in ok)
+    tokens = sum(r["output_tokens"] for r in ok)
+    tpots = [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]
+    return (float(np.mean([r["ttft_ms"] for r in ok])) / 1e3, float(np.mean(tpots)) / 1e3 if tpots else math.nan,
+            tokens / span if span > 0 else 0.0, tokens / len(ok))
+
+
+def simulate_set(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None,
+                 levels: list[float]) -> dict[tuple[str, str, float], Observation]:
+    """Replay each level of ``s`` in the simulator with this step cost; keyed like ``calibrate.simulate.key``."""
+    scenario = build_scenario(scenario_for(s, cost, slots, kv_tokens), f"published set {s.name}")
+    n_in = s.lengths[0]
+    out: dict[tuple[str, str, float], Observation] = {}
+    with tempfile.TemporaryDirectory(prefix="kvcap-published-") as tmp:
+        for i, level in enumerate(levels):
+            run = Path(tmp) / f"l{i}"
+            run_sim(SimConfig(scenario=scenario, plan=plan_for(s, level), out=run, record_itl=False))
+            ttft, tpot, thr, n_out = reduce_records(RunDir(run).records())
+            if math.isfinite(ttft) and math.isfinite(tpot):
+                o = observation(s.name, s.mode, level, ttft, tpot, thr, n_in, n_out)
+                out[key(o)] = o
+    return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A calibration on some points of a set and the simulator's prediction of every point of ``target``."""
+
+    fit: Fit
+    target: PublishedSet
+    kv_tokens: int | None
+    fitted: tuple[float, ...]
+    measured: list[Observation]
+    simulated: dict[tuple[str, str, float], Observation]
+
+
+def ttft_cached(s: PublishedSet, o: Observation) -> bool:
+    """The measured TTFT is below what an uncached prefill can take (see :data:`CACHED`)."""
+    return o.ttft_p50 < ttft_floor_s(s, o.level)
+
+
+def fit_view(fitted: list[Observation], simulated: dict[tuple[str, str, float], Observation], mode: str,
+             ) -> dict[tuple[str, str, float], Observation]:
+    """Simulated levels keyed as the fit sees them; a cached point gets its measured TTFT back (no TTFT residual:
+    the simulator serves no cache hit it could be compared with); ``mode`` is the set's own."""
+    out = {}
+    for o in fitted:
+        got = simulated.get((o.run, mode, o.level))
+        if got is not None:
+            out[key(o)] = replace(got, mode=CACHED, ttft_p50=o.ttft_p50, ttft_p95=o.ttft_p95) if o.mode == CACHED \
+                else got
+    return out
+
+
+def calibrate_and_predict(s: PublishedSet, fit_levels: tuple[float, ...], target: PublishedSet | None = None,
+                          max_evals: int = MAX_EVALS) -> Prediction:
+    """Fit on ``fit_levels`` of ``s`` only, then predict every other point of ``s`` — or, with ``target``, every
+    point of that set: the same server with its own KV pool (a what-if on memory the fit never saw)."""
+    obs = observations(s)
+    fitted = [replace(o, mode=CACHED) if ttft_cached(s, o) else o for o in obs if o.level in fit_levels]
+    if len(fitted) < 2:
+        raise InputError(f"set {s.name}: fit levels {fit_levels} leave {len(fitted)} measured point(s); need 2")
+    facts = ServerFacts(max_model_len=s.scenario.get("serving", {}).get("max_model_len"))
+
+    def sim_for(slots: int) -> Simulator:
+        return lambda cost: fit_view(fitted, simulate_set(s, cost, slots, s.kv_tokens, [o.level for o in fitted]),
+                                     s.mode)
+
+    result = fit(fitted, facts, sim_for, max_evals)
+    dest = target or s
+    measured = observations(dest) if target else [o for o in obs if o.level not in fit_levels]
+    simulated = simulate_set(dest, result.cost, result.slots, dest.kv_tokens, [o.level for o in measured])
+    return Prediction(result, dest, dest.kv_tokens, tuple(fit_levels), measured, simulated)
+
+
+def errors_pct(meas: Observation, sim: Observation | None) -> dict[str, float | None]:
+    """Signed errors in % of mean TTFT, TPOT, E2E and output throughput (None where nothing was simulated)."""
+    def err(a: float, b: float) -> float | None:
+        return None if sim is None or b <= 0 or not math.isfinite(a) else round(100 * (a / b - 1), 2)
+
+    if sim is None:
+        return dict.fromkeys(("ttft", "tpot", "e2e", "throughput"))
+    return {"ttft": err(sim.ttft_p50, meas.ttft_p50), "tpot": err(sim.tpot_p50, meas.tpot_p50),
+            "e2e": err(e2e_s(sim.ttft_p50, sim.tpot_p50, sim.output_tokens),
+                       e2e_s(meas.ttft_p50, meas.tpot_p50, meas.output_tokens)),
+            "throughput": err(sim.throughput, meas.throughput)}
+
+
+def rows(p: Prediction) -> list[dict[str, Any]]:
+    """Held-out rows: measured and simulated means (ms, tok/s) and the errors."""
+    out = []
+    for o in p.measured:
+        s = p.simulated.get(key(o))
+
+        def vals(x: Observation | None) -> dict[str, float | None]:
+            if x is None:
+                return dict.fromkeys(("ttft_ms", "tpot_ms", "e2e_ms", "output_tok_s"))
+            return {"ttft_ms": x.ttft_p50 * 1e3, "tpot_ms": x.tpot_p50 * 1e3,
+                    "e2e_ms": e2e_s(x.ttft_p50, x.tpot_p50, x.output_tokens) * 1e3, "output_tok_s": x.throughput}
+
+        floor = ttft_floor_s(p.target, o.level)
+        out.append({"set": o.run, "level": o.level, "in_flight": o.in_flight, "ttft_floor_ms": floor * 1e3,
+                    "ttft_cached": ttft_cached(p.target, o), "measured": vals(o),
+                    "simulated": vals(s), "error_pct": errors_pct(o, s)})
+    return out
