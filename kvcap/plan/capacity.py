@@ -1,108 +1,34 @@
-"""Capacity arithmetic: KV bytes, what fits per GPU and per memory tier, token rates, Little's law, link budget.
+"""Capacity arithmetic: what fits per GPU and per memory tier, token rates, Little's law, link budget.
 
-The article's sizing method made exact: per-layer KV rules (GQA/MHA, MLA latents, sliding windows, SSM
-state), the memory a serving engine keeps out of the KV pool (weights, activation peak, runtime overhead,
-reserve — the way vLLM profiles it), block rounding, and the link traffic that parked sequences cost when
-they are brought back to HBM to decode. Pure functions; the simulator's tiers call them too.
+The article's sizing method made exact: the memory a serving engine keeps out of the KV pool and the per-layer KV
+rules (:mod:`kvcap.plan.memory`), block rounding, whole requests per tier, and the link traffic that parked
+sequences cost when they are brought back to HBM to decode. Pure functions; the simulator's tiers call them too.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 from pydantic import BaseModel
 
 from kvcap.errors import InputError
-from kvcap.specs.hardware import GpuSpec, LinkSpec, host_link_for, load_gpu, load_link
-from kvcap.specs.model import ModelSpec, load_model
-from kvcap.specs.scenario import Scenario, ServingSpec
+from kvcap.plan.fit import FIT_RULE, FitOption, fit_options
+from kvcap.plan.inputs import PlanInputs
+from kvcap.plan.memory import (
+    given_pool,
+    kv_blocks,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    kv_element_bytes,
+    memory_budget,
+    no_room_problem,
+    resolved_kv_dtype,
+    slot_tokens,
+    ssm_state_bytes,
+)
+from kvcap.specs.model import ModelSpec
 from kvcap.units import bytes_s_to_gbps
 
-DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0,
-                                 "int4": 0.5 + 2.5 / 128}
-"""int4 includes a 16-bit scale and a 4-bit zero point per group of 128 (AWQ/GPTQ style)."""
-
-SAMPLER_COPIES = 2
-"""vLLM's profiling run samples max_num_seqs rows of fp32 logits; logits plus one working copy."""
 ASSUMED_TPOT_S = 0.05
 ASSUMED_TTFT_S = 0.5
-
-
-def kv_element_bytes(model: ModelSpec, kv_dtype: str, weights_dtype: str) -> float:
-    """'auto' means the model's 16-bit dtype (vLLM's default), also for fp8/int4 checkpoints."""
-    if kv_dtype == "auto":
-        return 4.0 if weights_dtype == "fp32" else 2.0
-    return DTYPE_BYTES[kv_dtype]
-
-
-def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
-    """KV heads one tensor-parallel rank holds (heads are replicated when tp exceeds them)."""
-    return max(1, math.ceil(model.num_kv_heads / tp))
-
-
-def kv_layer_bytes_per_token(model: ModelSpec, elem_bytes: float, tp: int = 1) -> float:
-    """Bytes one attention layer stores per token on one GPU of a tp group (tp=1: the whole layer).
-
-    GQA/MHA: K and V, one vector per KV head. MLA: one latent (kv_lora_rank + rope dims), no ×2, and every
-    rank keeps the whole latent (it is not split by tensor parallelism).
-    """
-    if model.attention == "mla":
-        return (model.mla_kv_lora_rank + model.mla_rope_head_dim) * elem_bytes
-    return 2 * kv_heads_per_gpu(model, tp) * model.head_dim * elem_bytes
-
-
-def kv_bytes_per_token(model: ModelSpec, elem_bytes: float, tp: int = 1, pp: int = 1) -> float:
-    """Full-context rate: every attention layer holds this token (before any window is reached)."""
-    return kv_layer_bytes_per_token(model, elem_bytes, tp) * model.attention_layers / pp
-
-
-def ssm_state_bytes(model: ModelSpec, tp: int = 1, pp: int = 1, state_bytes: float = 2.0) -> float:
-    """Fixed per-sequence state of SSM/linear layers (16-bit), split across tp ranks and pp stages."""
-    n = sum(k in ("ssm", "linear") for k in model.layer_kinds)
-    return n * model.ssm_state_elements * state_bytes / tp / pp
-
-
-def round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
-
-
-def kv_bytes_per_sequence(model: ModelSpec, tokens: int, elem_bytes: float, block_size: int = 16,
-                          tp: int = 1, pp: int = 1) -> float:
-    """KV one sequence of ``tokens`` tokens holds, in whole blocks; sliding layers hold min(T, W) tokens."""
-    per_layer = kv_layer_bytes_per_token(model, elem_bytes, tp)
-    full_tokens = round_up(tokens, block_size)
-    window = model.sliding_window or tokens
-    slide_tokens = round_up(min(tokens, window), block_size)
-    n_full = sum(k == "full" for k in model.layer_kinds)
-    n_slide = sum(k == "sliding" for k in model.layer_kinds)
-    return per_layer * (n_full * full_tokens + n_slide * slide_tokens) / pp + ssm_state_bytes(model, tp, pp)
-
-
-def weights_bytes(model: ModelSpec, dtype: str) -> float:
-    """All parameters (MoE: every expert) at ``dtype``; embeddings stay 16-bit in quantized checkpoints."""
-    if dtype in ("fp32", "fp16", "bf16"):
-        return model.num_parameters * DTYPE_BYTES[dtype]
-    emb = min(model.embedding_parameters, model.num_parameters)
-    return (model.num_parameters - emb) * DTYPE_BYTES[dtype] + emb * 2.0
-
-
-def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
-                          tp: int = 1, act_bytes: float = 2.0) -> float:
-    """Peak transient memory of one forward pass over ``max_num_batched_tokens`` (vLLM's profiling run).
-
-    Per token: a few hidden-size residual/norm buffers, the QKV projection, and the MLP's gate+up output plus
-    its activation (3 × intermediate; MoE: for each routed expert); plus the sampler's fp32 logits for
-    ``max_num_seqs`` rows.
-    """
-    q_kv = (model.num_attention_heads + 2 * model.num_kv_heads) * model.head_dim
-    if model.moe is not None:
-        inter = model.moe.experts_per_token * model.moe.expert_intermediate_size + model.moe.shared_intermediate_size
-    else:
-        inter = model.intermediate_size
-    per_token = 4 * model.hidden_size + q_kv / tp + 3 * inter / tp
-    sampler = max_num_seqs * model.vocab_size * 4.0 * SAMPLER_COPIES
-    return max_num_batched_tokens * per_token * act_bytes + sampler
 
 
 class Tier(BaseModel):
@@ -125,26 +51,6 @@ class LinkBudget(BaseModel):
     utilization: float
     decode_in_place_s_per_step: float
     """Time to stream the parked sequences' KV over the link once: what one decode step would wait."""
-
-
-class FitOption(BaseModel):
-    """A parallelism and weights dtype that fits on the plan's GPU, and what one replica of it then holds."""
-
-    weights_dtype: str
-    tp: int
-    pp: int
-    gpus: int
-    """GPUs per replica (tp × pp)."""
-    weights_bytes_per_gpu: float
-    usable_kv_bytes_per_gpu: float
-    kv_bytes_per_token_per_gpu: float
-    kv_tokens_per_replica: int
-    """Tokens the replica's KV pool holds (each GPU holds its share of every token, so per GPU = per replica)."""
-    requests_fit_per_replica: int
-    """Requests of the workload's length whose KV fits in HBM, before max_num_seqs caps them."""
-    requests_per_replica: int
-    replicas_on_cluster: int
-    """Whole replicas the scenario's GPUs make (0: the cluster has fewer GPUs than one replica needs)."""
 
 
 class PlanResult(BaseModel):
@@ -203,61 +109,6 @@ class PlanResult(BaseModel):
     fit_options: list[FitOption] = []
     assumptions: list[str] = []
     warnings: list[str] = []
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """Everything `plan` needs, resolved from a scenario (CLI flags are scenario overrides)."""
-
-    scenario: Scenario
-    model: ModelSpec
-    gpu: GpuSpec
-    host_link: LinkSpec
-    interconnect: LinkSpec
-    weights_dtype: str
-    rate: float | None
-    response_time_s: float | None
-    concurrency: int | None = None
-
-
-def resolve_gpu(scenario: Scenario) -> GpuSpec:
-    ref = scenario.cluster.gpu
-    gpu = load_gpu(ref.preset)
-    updates = {k: v for k, v in {"memory_bytes": ref.memory, "memory_bandwidth_bytes_s": ref.memory_bandwidth,
-                                 "bf16_tflops": ref.bf16_tflops, "fp8_tflops": ref.fp8_tflops}.items()
-               if v is not None}
-    return gpu.model_copy(update=updates) if updates else gpu
-
-
-def resolve_link(ref_preset: str | None, bandwidth: float | None, latency: float | None,
-                 default: LinkSpec) -> LinkSpec:
-    """A preset (or the default) with explicit bandwidth/latency applied; its efficiency and kind are kept."""
-    link = load_link(ref_preset) if ref_preset else default
-    if bandwidth is not None:
-        link = link.model_copy(update={"bandwidth_bits_s": bandwidth * 8.0, "key": "custom",
-                                       "name": f"{bandwidth * 8 / 1e9:g} Gbps {link.kind}"})
-    if latency is not None:
-        link = link.model_copy(update={"latency_s": latency})
-    return link
-
-
-def resolve(scenario: Scenario, rate: float | None = None, response_time_s: float | None = None,
-            concurrency: int | None = None) -> PlanInputs:
-    model = load_model(scenario.model.ref, scenario.model.num_parameters)
-    gpu = resolve_gpu(scenario)
-    c = scenario.cluster
-    host_link = resolve_link(c.host_link.preset, c.host_link.bandwidth, c.host_link.latency, host_link_for(gpu))
-    inter = resolve_link(c.interconnect.preset, c.interconnect.bandwidth, c.interconnect.latency,
-                         load_link("eth-100g"))
-    if rate is None and scenario.load.rate:
-        rate = max(scenario.load.rate)
-    if response_time_s is None:
-        response_time_s = scenario.load.response_time
-    if concurrency is None and scenario.load.concurrency:
-        concurrency = max(scenario.load.concurrency)
-    return PlanInputs(scenario=scenario, model=model, gpu=gpu, host_link=host_link, interconnect=inter,
-                      weights_dtype=scenario.model.weights_dtype or model.native_dtype, rate=rate,
-                      response_time_s=response_time_s, concurrency=concurrency)
 
 
 def plan(inputs: PlanInputs, *, allow_unfit: bool = False) -> PlanResult:
@@ -353,67 +204,6 @@ def replica_count(gpus: int, tp: int, pp: int) -> int:
     return gpus // (tp * pp)
 
 
-def resolved_kv_dtype(kv_dtype: str, weights_dtype: str) -> str:
-    """The name of the KV dtype 'auto' resolves to (the model's 16-bit dtype, as kv_element_bytes counts it)."""
-    if kv_dtype != "auto":
-        return kv_dtype
-    return weights_dtype if weights_dtype in ("fp32", "fp16", "bf16") else "bf16"
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """One GPU's memory as the engine splits it (bytes): what is left for KV is ``usable`` (may be negative)."""
-
-    weights_total: float
-    weights_gpu: float
-    activation: float
-    budget: float
-    usable: float
-
-
-def memory_budget(model: ModelSpec, gpu_memory_bytes: float, sv: ServingSpec, weights_dtype: str,
-                  tp: int, pp: int) -> MemoryBudget:
-    """GPU memory × utilization − this GPU's share of the weights − activation peak − runtime overhead − reserve."""
-    w_total = weights_bytes(model, weights_dtype)
-    w_gpu = w_total / (tp * pp)
-    act = activation_peak_bytes(model, sv.max_num_batched_tokens, sv.max_num_seqs, tp)
-    budget = gpu_memory_bytes * sv.gpu_memory_utilization
-    return MemoryBudget(weights_total=w_total, weights_gpu=w_gpu, activation=act, budget=budget,
-                        usable=budget - w_gpu - act - sv.runtime_overhead - sv.reserve)
-
-
-def no_room_problem(model: ModelSpec, gpu: GpuSpec, sv: ServingSpec, weights_dtype: str, tp: int, pp: int,
-                    mem: MemoryBudget) -> str | None:
-    """Why no KV cache at all can exist on one GPU (weights over the budget, or nothing left after them); None: some."""
-    if mem.weights_gpu >= mem.budget:
-        return (f"{model.name} weights ({mem.weights_gpu / 2**30:.1f} GiB per GPU at {weights_dtype}, tp={tp}, "
-                f"pp={pp}) do not fit in {gpu.memory_bytes / 2**30:.1f} GiB × {sv.gpu_memory_utilization:g} "
-                f"utilization on {gpu.name}: use more GPUs per replica, a smaller weights dtype or a bigger GPU")
-    if mem.usable <= 0:
-        return (f"no memory left for KV cache on {gpu.name}: budget {mem.budget / 2**30:.2f} GiB − weights "
-                f"{mem.weights_gpu / 2**30:.2f} GiB − activations {mem.activation / 2**30:.2f} GiB − "
-                f"overhead/reserve {(sv.runtime_overhead + sv.reserve) / 2**30:.2f} GiB ≤ 0")
-    return None
-
-
-def given_pool(mem: MemoryBudget, kv_tokens: int, kv_bytes_per_token_per_gpu: float,
-               block_size: int) -> MemoryBudget:
-    """The budget with ``usable`` set to a pool known in tokens (``serving.kv_tokens``), whole blocks only."""
-    usable = (kv_tokens // block_size) * block_size * kv_bytes_per_token_per_gpu
-    return MemoryBudget(weights_total=mem.weights_total, weights_gpu=mem.weights_gpu, activation=mem.activation,
-                        budget=mem.budget, usable=usable)
-
-
-def slot_tokens(pool_tokens: int, slots: int) -> int:
-    """llama.cpp split KV: each of the slots gets an even share of the pool."""
-    return pool_tokens // slots
-
-
-def kv_blocks(usable_bytes: float, kv_bytes_per_token_per_gpu: float, block_size: int) -> int:
-    """Whole KV blocks in the usable bytes of one GPU (none when nothing is usable)."""
-    return max(0, int(usable_bytes // (kv_bytes_per_token_per_gpu * block_size)))
-
-
 def offload_tiers(inputs: PlanInputs, req_total: float, assumptions: list[str]) -> list[Tier]:
     """Host and remote KV tiers the scenario asks for, whole requests each (a request's KV lives in one tier)."""
     sv, cl = inputs.scenario.serving, inputs.scenario.cluster
@@ -445,66 +235,6 @@ def resident_counts(tiers: list[Tier]) -> dict[str, int]:
         resident[t.name] = t.requests
     resident["total"] = sum(t.requests for t in tiers)
     return resident
-
-
-FIT_DTYPES = ("int8", "int4")
-"""Quantized weights the fit options try beside the scenario's own dtype."""
-FIT_RULE = ("fit options: tp divides the attention heads, and the KV heads divide tp or tp divides them (vLLM's "
-            "rule); pp divides the layers (the plan splits weights and KV evenly over stages); fits = KV room for "
-            "at least one request per GPU; per dtype the smallest tp (pp=1), the smallest pp (tp=1), and only if "
-            "neither exists the smallest tp×pp; int8/int4 keep embeddings and LM head in 16-bit")
-
-
-def tp_sizes(model: ModelSpec) -> list[int]:
-    """Tensor-parallel sizes an engine accepts for the model: whole query heads per rank, KV heads split or copied."""
-    heads, kv = model.num_attention_heads, model.num_kv_heads
-    return [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
-
-
-def pp_sizes(model: ModelSpec) -> list[int]:
-    """Pipeline sizes that split the layers evenly (what the plan's per-stage arithmetic assumes)."""
-    return [p for p in range(1, model.num_layers + 1) if model.num_layers % p == 0]
-
-
-def fit_option(inputs: PlanInputs, weights_dtype: str, tp: int, pp: int, tokens_req: int) -> FitOption:
-    """What one replica of tp×pp GPUs holds with these weights, by the same arithmetic as `plan`."""
-    sc, model = inputs.scenario, inputs.model
-    sv = sc.serving
-    elem = kv_element_bytes(model, sc.model.kv_dtype, weights_dtype)
-    mem = memory_budget(model, inputs.gpu.memory_bytes, sv, weights_dtype, tp, pp)
-    tok_gpu = kv_bytes_per_token(model, elem, tp, pp)
-    req_gpu = kv_bytes_per_sequence(model, tokens_req, elem, sv.block_size, tp, pp)
-    blocks = kv_blocks(mem.usable, tok_gpu, sv.block_size)
-    fit = max(0, int(mem.usable // req_gpu))
-    return FitOption(weights_dtype=weights_dtype, tp=tp, pp=pp, gpus=tp * pp, weights_bytes_per_gpu=mem.weights_gpu,
-                     usable_kv_bytes_per_gpu=mem.usable, kv_bytes_per_token_per_gpu=tok_gpu,
-                     kv_tokens_per_replica=blocks * sv.block_size, requests_fit_per_replica=fit,
-                     requests_per_replica=min(fit, sv.max_num_seqs),
-                     replicas_on_cluster=sc.cluster.gpus // (tp * pp))
-
-
-def smallest_fit(inputs: PlanInputs, weights_dtype: str, tps: list[int], pps: list[int],
-                 tokens_req: int) -> FitOption | None:
-    """The fitting (tp, pp) with the fewest GPUs (ties: the smaller pp), or None when none does."""
-    for tp, pp in sorted(((t, p) for t in tps for p in pps), key=lambda x: (x[0] * x[1], x[1])):
-        option = fit_option(inputs, weights_dtype, tp, pp, tokens_req)
-        if option.requests_fit_per_replica >= 1:
-            return option
-    return None
-
-
-def fit_options(inputs: PlanInputs, tokens_req: int) -> list[FitOption]:
-    """Per weights dtype (the scenario's, then int8 and int4): the smallest tp, the smallest pp (FIT_RULE)."""
-    tps, pps = tp_sizes(inputs.model), pp_sizes(inputs.model)
-    out: list[FitOption] = []
-    for dtype in dict.fromkeys((inputs.weights_dtype, *FIT_DTYPES)):
-        found = [smallest_fit(inputs, dtype, tps, [1], tokens_req), smallest_fit(inputs, dtype, [1], pps, tokens_req)]
-        if not any(found):
-            found = [smallest_fit(inputs, dtype, tps, pps, tokens_req)]
-        for option in found:
-            if option is not None and option not in out:
-                out.append(option)
-    return out
 
 
 def _add_rates(r: PlanResult, inputs: PlanInputs) -> None:
