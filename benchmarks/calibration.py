@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvcap.calibrate.published import PublishedSet, calibrate_and_predict, load_sets, rows  # noqa: E402
+from kvcap.calibrate.simulate import cost_vector  # noqa: E402
 
 DATA = ROOT / "data" / "vllm_measured.yaml"
 WHAT_IF = {"a100-qwen2-7b-util0.25": "a100-qwen2-7b-util0.5"}
@@ -44,7 +45,7 @@ def predictions(sets: list[PublishedSet]) -> list[dict[str, Any]]:
         source = by_name[WHAT_IF[s.name]] if s.name in WHAT_IF else s
         p = calibrate_and_predict(source, fit_levels(source), target=s if source is not s else None)
         out += [{**r, "fit_on": f"{source.name} @ {', '.join(f'{v:g}' for v in p.fitted)}",
-                 "step_cost_ms": [round(v * 1e3, 5) for v in p.fit.cost.as_tuple()]} for r in rows(p)]
+                 "step_cost_ms": [round(v * 1e3, 5) for v in cost_vector(p.fit.cost)]} for r in rows(p)]
     return out
 
 

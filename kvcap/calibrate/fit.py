@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvcap.calibrate.observe import Observation, ServerFacts
-from kvcap.calibrate.simulate import StepCost, key
+from kvcap.calibrate.simulate import StepCost, cost_from, cost_vector, key
 from kvcap.errors import InputError
 from kvcap.specs.scenario import ServingSpec
 
@@ -121,7 +121,7 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
               "per_prefill_token": None}
     notes.append(f"per_prefill_token from TTFT at {low.label} ({low.input_tokens:g} prompt tokens)"
                  + ("" if lone else ": with no lone request (c=1) its queueing is in it too, the refinement trims it"))
-    return StepCost(base, per_decode, ppt, per_ctx), stderr, notes
+    return cost_from((base, per_decode, ppt, per_ctx)), stderr, notes
 
 
 def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str, float], Observation],
@@ -190,13 +190,13 @@ def refine(obs: list[Observation], start: StepCost, slots: int, sim: Simulator,
            max_evals: int = MAX_EVALS) -> tuple[StepCost, int, bool, float]:
     """Nelder–Mead on the coefficients, each scaled by its first estimate (zeros stay zero: nothing to scale),
     against the simulator; returns (cost, evaluations, converged, RMS relative error)."""
-    x0 = np.array(start.as_tuple())
+    x0 = np.array(cost_vector(start))
     free = x0 > 0
 
     def cost_of(z: np.ndarray) -> StepCost:
         x = x0.copy()
         x[free] = np.abs(z) * x0[free]
-        return StepCost(*(float(v) for v in x))
+        return cost_from(x)
 
     def objective(z: np.ndarray) -> float:
         r = relative_errors(obs, sim(cost_of(z)), slots)

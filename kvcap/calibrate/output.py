@@ -9,12 +9,11 @@ import yaml
 
 from kvcap.calibrate.fit import Fit
 from kvcap.calibrate.observe import Observation, ServerFacts
-from kvcap.calibrate.simulate import StepCost, group_sections, groups, key, serving_section
+from kvcap.calibrate.simulate import COST_KEYS, StepCost, cost_vector, group_sections, groups, key, serving_section
 from kvcap.report.console import make_console
 from kvcap.specs.scenario import build_scenario
 
 METRICS = ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95")
-COST_KEYS = ("base", "per_decode", "per_prefill_token", "per_context_token")
 
 
 def engine_of(facts: ServerFacts, asked: str | None) -> str:
@@ -66,7 +65,7 @@ def table_rows(obs: list[Observation], simulated: dict[tuple[str, str, float], O
 
 def calibration_section(runs: list[str], result: Fit, engine: str, kv_source: str, rows: list[dict[str, Any]],
                         fit_error: dict[str, Any], holdout_error: dict[str, Any] | None) -> dict[str, Any]:
-    cost = dict(zip(COST_KEYS, result.cost.as_tuple(), strict=True))
+    cost = dict(zip(COST_KEYS, cost_vector(result.cost), strict=True))
     return {
         "source_runs": runs, "engine": engine,
         "coefficients": {k: {"value_s": v, "stderr_s": result.stderr.get(k)} for k, v in cost.items()},

@@ -4,30 +4,30 @@ from __future__ import annotations
 
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvcap.calibrate.observe import Observation, level_observation
 from kvcap.sim.run import SimConfig, run_sim
-from kvcap.specs.scenario import build_scenario
+from kvcap.specs.scenario import StepCost, build_scenario
 from kvcap.workload.loadplan import LoadPlan
 
 SIM_REQUESTS_MIN = 64
 """Measured requests per simulated level (at least; 8 per stream above that): enough for stable medians."""
 
 
-@dataclass(frozen=True)
-class StepCost:
-    """Seconds: step = base + per_decode·sequences + per_prefill_token·prompt tokens + per_context_token·KV read."""
+COST_KEYS = tuple(StepCost.model_fields)
+"""The coefficients in their order (base, per_decode, per_prefill_token, per_context_token): the fit's vector."""
 
-    base: float
-    per_decode: float
-    per_prefill_token: float = 0.0
-    per_context_token: float = 0.0
 
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        return (self.base, self.per_decode, self.per_prefill_token, self.per_context_token)
+def cost_vector(cost: StepCost) -> tuple[float, ...]:
+    return tuple(getattr(cost, k) for k in COST_KEYS)
+
+
+def cost_from(values: Sequence[float]) -> StepCost:
+    """The scenario's own ``serving.step_cost`` (one definition of the step cost) from the fit's vector."""
+    return StepCost(**dict(zip(COST_KEYS, (float(v) for v in values), strict=True)))
 
 
 def duration(seconds: float) -> str:
@@ -37,9 +37,7 @@ def duration(seconds: float) -> str:
 
 def serving_section(cost: StepCost, engine: str, slots: int, kv_tokens: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {"engine": engine, "max_num_seqs": int(slots),
-                           "step_cost": {"base": duration(cost.base), "per_decode": duration(cost.per_decode),
-                                         "per_prefill_token": duration(cost.per_prefill_token),
-                                         "per_context_token": duration(cost.per_context_token)}}
+                           "step_cost": {k: duration(v) for k, v in zip(COST_KEYS, cost_vector(cost), strict=True)}}
     if kv_tokens is not None:
         out["kv_tokens"] = int(kv_tokens)
     return out
