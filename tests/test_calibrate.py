@@ -167,3 +167,18 @@ def test_a_run_without_successful_requests_is_refused_naming_it(tmp_path):
 def test_holdout_of_an_unmeasured_level_is_bad_input(profile8, tmp_path):
     proc = run_cli("calibrate", str(profile8), "--out", str(tmp_path / "x.yaml"), "--holdout", "3")
     assert proc.returncode == 2 and "--holdout 3: no such measured level" in proc.stderr
+
+
+def test_closed_form_tells_the_front_end_from_prefill_when_a_closed_loop_starts_together():
+    # c equal users start together below the slots: TTFT = per_request + step(c) + ppt·c·prompt at every level
+    ppt, front = 50e-6, 0.004
+    levels = [obs(c, A + B * c, front + A + B * c + ppt * 64 * c) for c in (1, 2, 4, 8)]
+    cost, _, notes = closed_form(levels, slots=8)
+    assert cost.per_prefill_token == pytest.approx(ppt, rel=1e-6)
+    assert cost.per_request == pytest.approx(front, rel=1e-6)
+    assert "per_request from TTFT over c=1, 2, 4, 8" in notes[-1]
+    # TTFT that does not follow the line (queueing, a desynchronised loop): all of it is prefill, as before
+    flat = [obs(c, A + B * c, A + B * c + ppt * 64 if c == 1 else 0.1) for c in (1, 2, 4, 8)]
+    cost, _, notes = closed_form(flat, slots=8)
+    assert cost.per_request == 0.0 and cost.per_prefill_token == pytest.approx(ppt, rel=1e-6)
+    assert "per_request not fitted" in notes[-1]

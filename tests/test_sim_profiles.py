@@ -152,3 +152,17 @@ def test_bad_profile_keys_are_one_line_exit_2(tmp_path, serving, words):
     p = run_cli("plan", "--scenario", str(path), "--json")
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr and words in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_per_request_delays_the_first_token_by_exactly_its_time_and_takes_no_engine_time(tmp_path):
+    # a lone request (c=1): TTFT = per_request + its prompt's step; TPOT and the step itself do not move
+    load = ("--concurrency", "1", "--input-tokens", str(IN_TOK), "--output-tokens", str(OUT_TOK),
+            "--requests", "20", "--warmup", "0s")
+    wl = {"input_tokens": IN_TOK, "output_tokens": OUT_TOK}
+    plain = levels(sim(scenario(tmp_path, LLAMACPP_LIKE_TEST_SERVER, wl, "a.yaml"), tmp_path / "a", *load))[1]
+    front = {**LLAMACPP_LIKE_TEST_SERVER, "step_cost": {**LLAMACPP_LIKE_TEST_SERVER["step_cost"], "per_request": "4ms"}}
+    slow = levels(sim(scenario(tmp_path, front, wl, "b.yaml"), tmp_path / "b", *load))[1]
+    first_step = (A_S + B_S + P_S * IN_TOK) * 1e3
+    assert plain["ttft_ms"]["p50"] == pytest.approx(first_step, rel=1e-6)
+    assert slow["ttft_ms"]["p50"] == pytest.approx(first_step + 4.0, rel=1e-6)
+    assert slow["tpot_ms"]["p50"] == pytest.approx(plain["tpot_ms"]["p50"], rel=1e-9)

@@ -115,18 +115,56 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
     per_ctx = max(float(coef[2]), 0.0) if use_ctx else 0.0
     lone = [o for o in obs if o.mode == "concurrency" and o.level == 1]
     low = lone[0] if lone else min(obs, key=lambda o: (batch(o, slots), o.level))
-    step = base + per_decode * batch(low, slots) + per_ctx * batch(low, slots) * low.input_tokens
-    ppt = max(low.ttft_p50 - step, 0.0) / max(low.input_tokens, 1.0)
+    ppt, per_request, how = prefill_and_overhead(obs, low, slots, (base, per_decode, per_ctx))
     stderr = {"base": err[0], "per_decode": err[1], "per_context_token": err[2] if use_ctx else None,
-              "per_prefill_token": None}
-    notes.append(f"per_prefill_token from TTFT at {low.label} ({low.input_tokens:g} prompt tokens)"
-                 + ("" if lone else ": with no lone request (c=1) its queueing is in it too, the refinement trims it"))
-    return cost_from((base, per_decode, ppt, per_ctx)), stderr, notes
+              "per_prefill_token": None, "per_request": None}
+    notes.append(how + ("" if lone else ": with no lone request (c=1) its queueing is in it too, the refinement "
+                        "trims it"))
+    return cost_from((base, per_decode, ppt, per_ctx, per_request)), stderr, notes
+
+
+LINE_FIT = 0.10
+"""The TTFT line must explain every unqueued level within this share before it is believed (else the levels
+were not in lockstep, or TTFT is not prefill-bound, and ``per_request`` is left out)."""
+
+
+def unqueued(obs: list[Observation], slots: int) -> list[Observation]:
+    """Closed-loop levels that never queue (load within the slots): their TTFT is the front end plus the prompt
+    steps, which is what tells ``per_request`` from ``per_prefill_token``."""
+    return [o for o in obs if o.mode == "concurrency" and o.level <= slots]
+
+
+def prefill_and_overhead(obs: list[Observation], low: Observation, slots: int,
+                         line: tuple[float, float, float]) -> tuple[float, float, str]:
+    """(per_prefill_token, per_request, how) from TTFT. A closed loop of equal requests starts them together, so
+    at c users one step carries c prompts: TTFT − step ≈ per_request + per_prefill_token·c·prompt, a line over
+    the unqueued levels of ``low``'s workload, believed when it explains each of them (:data:`LINE_FIT`); else
+    all of the lowest level's TTFT beyond its step is prefill and ``per_request`` stays 0 (not fitted)."""
+    base, per_decode, per_ctx = line
+
+    def beyond_step(o: Observation) -> float:
+        b = batch(o, slots)
+        return o.ttft_p50 - (base + per_decode * b + per_ctx * b * o.input_tokens)
+
+    same = [o for o in unqueued(obs, slots)
+            if (round(o.input_tokens), round(o.output_tokens)) == (round(low.input_tokens), round(low.output_tokens))]
+    tokens = np.array([o.level * o.input_tokens for o in same])
+    if len(same) >= 2 and np.ptp(tokens) > 0:
+        y = np.array([beyond_step(o) for o in same])
+        slope, intercept = np.polyfit(tokens, y, 1)
+        line = intercept + slope * tokens
+        if slope > 0 and intercept > 0 and np.all(np.abs(line - y) <= LINE_FIT * np.abs(y)):
+            return float(slope), float(intercept), (f"per_prefill_token and per_request from TTFT over "
+                                                    f"c={', '.join(f'{o.level:g}' for o in same)}")
+    rest = max(beyond_step(low), 0.0)
+    return (rest / max(low.input_tokens, 1.0), 0.0, f"per_prefill_token from TTFT at {low.label} "
+            f"({low.input_tokens:g} prompt tokens); per_request not fitted (no TTFT line over the unqueued levels)")
 
 
 def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str, float], Observation],
-                    slots: int) -> np.ndarray:
-    """The refinement's residuals: TPOT p50 and throughput everywhere, TTFT p50 at each workload's lowest load."""
+                    slots: int, every_unqueued_ttft: bool = False) -> np.ndarray:
+    """The refinement's residuals: TPOT p50 and throughput everywhere, TTFT p50 at each workload's lowest load
+    (and at every closed-loop level that never queues when ``per_request`` is fitted: they tell it apart)."""
     res: list[float] = []
     lowest: dict[tuple[str, float, float], Observation] = {}
     for o in measured:
@@ -140,7 +178,8 @@ def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str,
             continue
         res.append(s.tpot_p50 / o.tpot_p50 - 1)
         res.append(s.throughput / o.throughput - 1 if o.throughput > 0 else 0.0)
-        if o is lowest[(o.mode, round(o.input_tokens), round(o.output_tokens))]:
+        if o is lowest[(o.mode, round(o.input_tokens), round(o.output_tokens))] or (
+                every_unqueued_ttft and o.mode == "concurrency" and o.level <= slots):
             res.append(s.ttft_p50 / o.ttft_p50 - 1)
     return np.array(res)
 
@@ -199,7 +238,7 @@ def refine(obs: list[Observation], start: StepCost, slots: int, sim: Simulator,
         return cost_from(x)
 
     def objective(z: np.ndarray) -> float:
-        r = relative_errors(obs, sim(cost_of(z)), slots)
+        r = relative_errors(obs, sim(cost_of(z)), slots, every_unqueued_ttft=start.per_request > 0)
         return float(np.mean(r * r))
 
     z, val, evals, converged = nelder_mead(objective, np.ones(int(free.sum())), max_evals=max_evals)

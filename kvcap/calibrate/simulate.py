@@ -18,7 +18,8 @@ SIM_REQUESTS_MIN = 64
 
 
 COST_KEYS = tuple(StepCost.model_fields)
-"""The coefficients in their order (base, per_decode, per_prefill_token, per_context_token): the fit's vector."""
+"""The coefficients in their order (base, per_decode, per_prefill_token, per_context_token, per_request): the
+fit's vector."""
 
 
 def cost_vector(cost: StepCost) -> tuple[float, ...]:

@@ -71,7 +71,9 @@ class ClusterModel:
                 node=nodes[0], host_link=host_link,
                 nic_links=tuple(nics[n] for n in nodes), policy=policy, blocks_for=blocks_for,
                 max_model_len=inputs.model.max_position_embeddings or None))
-        return Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish)
+        overhead = sv.step_cost.per_request if sv.step_cost is not None else 0.0
+        return Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish,
+                          request_overhead_s=overhead)
 
 
 def _cost(cm: ClusterModel) -> CostModel | EmpiricalCost:

@@ -27,8 +27,10 @@ class Simulation:
 
     def __init__(self, configs: list[ReplicaConfig], tiers: dict[str, list[Tier]], links: LinkSet,
                  routing: str = "least_loaded", pool_links: tuple[Link, ...] = (),
-                 on_finish: Callable[[SimRequest, float], None] | None = None):
+                 on_finish: Callable[[SimRequest, float], None] | None = None, request_overhead_s: float = 0.0):
         self.links = links
+        self.request_overhead_s = request_overhead_s
+        """Each request reaches its replica's scheduler this long after it arrives (``step_cost.per_request``)."""
         self.tiers = tiers
         """``host``: one Tier per node; ``remote``: one shared Tier (the pool)."""
         self.tiers_enabled = bool(tiers)
@@ -66,7 +68,8 @@ class Simulation:
         self.watch_links()
 
     def submit(self, req: SimRequest, t: float) -> None:
-        self.push(t, "arrival", req)
+        """``req`` arrives at ``t`` (its latencies count from there) and is queued after the front end's time."""
+        self.push(t + self.request_overhead_s, "arrival", req)
 
     def run_until(self, t_end: float, stop: Callable[[], bool] | None = None,
                   on_time: Callable[[float], None] | None = None) -> None:
