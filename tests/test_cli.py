@@ -17,14 +17,14 @@ from kvcap.cli import COMMAND_MODULES, build_parser, main
 from tests.conftest import ROOT
 
 COMMANDS = ("plan", "bench", "sim", "serve-sim", "analyze", "compare", "ab", "report", "audit", "demo",
-            "calibrate")
+            "calibrate", "search")
 """Every command, in the order `kvcap --help` has always listed them."""
 
 REQUIRED_ARGS = {
     "plan": [], "bench": ["--url", "http://127.0.0.1:1", "--concurrency", "1", "--out", "d"],
     "sim": ["s.yaml", "--out", "d"], "serve-sim": ["s.yaml"], "analyze": ["d"], "compare": ["a", "b"],
     "ab": ["e.yaml", "--out", "d"], "report": ["d"], "audit": ["t.csv"], "demo": [],
-    "calibrate": ["d", "--out", "s.yaml"],
+    "calibrate": ["d", "--out", "s.yaml"], "search": ["s.yaml", "--out", "d"],
 }
 """The least each command needs to get past argparse (nothing here is read: parsing fails first)."""
 
@@ -102,7 +102,8 @@ def test_unknown_flag_is_one_line_exit_2(command, capsys):
 @pytest.mark.parametrize(("args", "line"), [
     (["plan", "--no-such-flag"], "kvcap: error: unrecognized arguments: --no-such-flag (see --help)"),
     (["nosuch"], "kvcap: error: argument COMMAND: invalid choice: 'nosuch' (choose from 'plan', 'bench', 'sim', "
-                 "'serve-sim', 'analyze', 'compare', 'ab', 'report', 'audit', 'demo', 'calibrate') (see --help)"),
+                 "'serve-sim', 'analyze', 'compare', 'ab', 'report', 'audit', 'demo', 'calibrate', 'search') "
+                 "(see --help)"),
     ([], "kvcap: error: the following arguments are required: COMMAND (see --help)"),
     (["sim"], "kvcap sim: error: the following arguments are required: SCENARIO.yaml, --out (see --help)"),
     (["plan", "--nodes", "0"], "kvcap plan: error: argument --nodes: expected a positive integer, got '0' "

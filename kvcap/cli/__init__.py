@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from kvcap import __version__
-from kvcap.cli import ab, audit, bench, calibrate, demo, judge, plan, report, sim
+from kvcap.cli import ab, audit, bench, calibrate, demo, judge, plan, report, search, sim
 from kvcap.cli.common import Parser, doc, formatter
 from kvcap.errors import EndpointError, InputError, RefusedComparison
 
-COMMAND_MODULES = (plan, bench, sim, judge, ab, report, audit, demo, calibrate)
+COMMAND_MODULES = (plan, bench, sim, judge, ab, report, audit, demo, calibrate, search)
 """Every command family, in the order `kvcap --help` lists their commands. A new command: a module, named here."""
 
 

@@ -28,7 +28,8 @@ def register(sub: common.Subparsers) -> None:
                            variables, the diagnosis and the raw tables. Works offline; a .md summary is written
                            beside it.
                        """), epilog=REPORT_EXAMPLES, formatter_class=common.formatter)
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="one run directory, or CONTROL TREATMENT")
+    p.add_argument("dirs", nargs="+", metavar="DIR",
+                   help="one run directory, or CONTROL TREATMENT, or a `kvcap search` directory")
     common.add_slo_flag(p)
     p.add_argument("--allow-diff", metavar="KEY,...", help="as for compare")
     p.add_argument("--out", default="report.html", metavar="FILE")
@@ -38,6 +39,10 @@ def register(sub: common.Subparsers) -> None:
 def cmd_report(a: argparse.Namespace) -> int:
     slo = common.optional_slo(a.slo)
     out = Path(a.out)
+    if len(a.dirs) == 1 and _is_search(a.dirs[0]):
+        _report_search(a.dirs[0], out)
+        print(f"wrote {out}")
+        return 0
     if len(a.dirs) == 1:
         _report_one(a.dirs[0], slo, out)
     elif len(a.dirs) == 2:
@@ -46,6 +51,20 @@ def cmd_report(a: argparse.Namespace) -> int:
         raise InputError("report takes one run directory or two (control, treatment)")
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
+
+
+def _is_search(path: str) -> bool:
+    from kvcap.search.run import is_search_dir
+
+    return is_search_dir(path)
+
+
+def _report_search(search_dir: str, out: Path) -> None:
+    """A `kvcap search` directory: its search page (the one the search wrote, rebuilt from search.json)."""
+    from kvcap.report.search import write_search_html
+    from kvcap.search.run import load_search
+
+    write_search_html(out, *load_search(search_dir))
 
 
 def _report_one(run_dir: str, slo: Any, out: Path) -> None:

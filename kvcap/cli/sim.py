@@ -56,11 +56,12 @@ def _add_sim(sub: common.Subparsers) -> None:
     p.add_argument("--no-itl", action="store_true", help="do not store per-token gaps (smaller records)")
     common.add_json_flag(p, help="print summary.json at the end")
     common.add_quiet_flag(p, help="no per-level lines")
-    _add_load_overrides(p)
+    add_load_overrides(p)
     p.set_defaults(func=cmd_sim)
 
 
-def _add_load_overrides(p: argparse.ArgumentParser) -> None:
+def add_load_overrides(p: argparse.ArgumentParser) -> None:
+    """sim's load flags and --set (``kvcap search`` takes the same ones for every grid point)."""
     g = p.add_argument_group("load (override the scenario's load section)")
     m = g.add_mutually_exclusive_group()
     m.add_argument("--concurrency", metavar="LIST", help="closed-loop levels, e.g. 8,16,24")
@@ -79,7 +80,8 @@ def _add_load_overrides(p: argparse.ArgumentParser) -> None:
     common.add_set_flag(g)
 
 
-def _sim_overrides(a: argparse.Namespace) -> dict[str, Any]:
+def sim_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    """--set and the load flags as one dict of dotted scenario keys."""
     from kvcap.specs.scenario import parse_set
 
     out: dict[str, Any] = parse_set(a.set)
@@ -100,26 +102,18 @@ def _sim_overrides(a: argparse.Namespace) -> dict[str, Any]:
 def _sim_config(a: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from kvcap.analysis.slo import parse_slo
-    from kvcap.sim.run import SimConfig
-    from kvcap.specs.scenario import load_scenario_noting
-    from kvcap.workload.loadplan import LoadPlan
+    from kvcap.sim.run import config_for
+    from kvcap.specs.scenario import read_yaml
     from kvcap.workload.trace import read_trace
 
-    overrides = _sim_overrides(a)
-    scenario, notes = load_scenario_noting(a.scenario, overrides)
-    trace = read_trace(a.trace) if a.trace else ()
-    if trace and any(overrides.get(k) is not None for k in ("load.concurrency", "load.rate")):
-        raise InputError("--trace replays the trace's own arrivals: drop load.concurrency / load.rate from --set")
-    plan = LoadPlan.from_spec(scenario.load, trace=trace, trace_speed=a.trace_speed)
-    if plan.mode != "rate" and overrides.get("load.arrival") is not None:
-        raise InputError(f"load.arrival applies to open-loop rates only; this run is {plan.mode} "
-                         f"({'the trace' if trace else 'load.concurrency'})")
-    for note in notes:
+    data = read_yaml(a.scenario)
+    overrides = sim_overrides(a)
+    cfg = config_for(data, overrides, Path(a.out), where=a.scenario, trace=read_trace(a.trace) if a.trace else (),
+                     trace_file=a.trace, trace_speed=a.trace_speed, slo=a.slo, arm=a.arm, overwrite=a.overwrite,
+                     record_itl=not a.no_itl)
+    for note in cfg.notes:
         print(f"kvcap sim: note: {note}", file=sys.stderr)
-    slo = parse_slo(a.slo) if a.slo else parse_slo(scenario.slo)
-    return SimConfig(scenario=scenario, plan=plan, out=Path(a.out), slo=slo, arm=a.arm, overwrite=a.overwrite,
-                     record_itl=not a.no_itl, trace_file=a.trace, notes=notes)
+    return cfg
 
 
 def level_line(prefix: str = "") -> Callable[[dict[str, Any]], None]:

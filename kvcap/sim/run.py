@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvcap import __version__
+from kvcap.analysis.slo import parse_slo
 from kvcap.analysis.summary import build_summary
 from kvcap.errors import InputError
 from kvcap.rundir import SUMMARY, Manifest, RequestRecord, RunDir, RunWriter, tpot_ms, write_json_atomic
@@ -30,7 +31,7 @@ from kvcap.sim.engine import Simulation
 from kvcap.sim.policy_llamacpp import REQUESTED_OUT
 from kvcap.sim.request import SimRequest
 from kvcap.specs.lengths import parse_length
-from kvcap.specs.scenario import Scenario
+from kvcap.specs.scenario import Scenario, scenario_noting
 from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 
 SAMPLE_S = 1.0
@@ -52,6 +53,23 @@ class SimConfig:
     notes: list[str] = field(default_factory=list)
     """What the command line replaced in the scenario (``specs.load.displaced_by_overrides``), for the manifest."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+def config_for(data: dict[str, Any], overrides: dict[str, Any], out: Path, *, where: str = "input",
+               trace: Sequence[Any] = (), trace_file: str | None = None, trace_speed: float = 1.0,
+               slo: str | None = None, arm: str | None = None, overwrite: bool = False,
+               record_itl: bool = True) -> SimConfig:
+    """A scenario file's data plus ``--set``/load overrides → the run ``kvcap sim`` makes of them: the one
+    translation, which ``kvcap search`` repeats per grid point. ``slo`` (``--slo`` text) replaces the scenario's."""
+    scenario, notes = scenario_noting(data, overrides, where)
+    if trace and any(overrides.get(k) is not None for k in ("load.concurrency", "load.rate")):
+        raise InputError("--trace replays the trace's own arrivals: drop load.concurrency / load.rate from --set")
+    plan = LoadPlan.from_spec(scenario.load, trace=tuple(trace), trace_speed=trace_speed)
+    if plan.mode != "rate" and overrides.get("load.arrival") is not None:
+        raise InputError(f"load.arrival applies to open-loop rates only; this run is {plan.mode} "
+                         f"({'the trace' if trace else 'load.concurrency'})")
+    return SimConfig(scenario=scenario, plan=plan, out=out, slo=parse_slo(slo or scenario.slo), arm=arm,
+                     overwrite=overwrite, record_itl=record_itl, trace_file=trace_file, notes=notes)
 
 
 def flatten(prefix: str, obj: Any, out: dict[str, Any]) -> dict[str, Any]:

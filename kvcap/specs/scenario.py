@@ -81,7 +81,8 @@ Engine = Literal["vllm", "llamacpp"]
 
 class StepCost(Strict):
     """A measured per-iteration time (``kvcap calibrate`` fits it) that replaces the roofline cost model:
-    step = base + per_decode·sequences sampling + per_prefill_token·prompt tokens + per_context_token·decode KV."""
+    step = base + per_decode·sequences sampling + per_prefill_token·prompt tokens + per_context_token·decode KV;
+    ``per_request`` is no step's: each request's fixed time outside the engine loop."""
 
     base: Duration = 0.0
     per_decode: Duration = 0.0
@@ -89,6 +90,9 @@ class StepCost(Strict):
     per_prefill_token: Duration = 0.0
     per_context_token: Duration = 0.0
     """Per KV token the step's decoders attend to (the sum of their context lengths). Durations refuse negatives."""
+    per_request: Duration = 0.0
+    """Fixed time each request spends before the scheduler sees it (HTTP, tokenisation, chat template): it delays
+    the first token and takes no engine time, so it does not grow with the batch as prefill does."""
 
 
 class ServingSpec(Strict):
@@ -226,9 +230,14 @@ def load_scenario(path: str | Path | None, overrides: dict[str, Any] | None = No
 def load_scenario_noting(path: str | Path | None,
                          overrides: dict[str, Any] | None = None) -> tuple[Scenario, list[str]]:
     """The scenario with overrides applied, and a line for each file key an override replaced (for the manifest)."""
-    data = read_yaml(path) if path else {}
+    return scenario_noting(read_yaml(path) if path else {}, overrides, where=str(path or "input"))
+
+
+def scenario_noting(data: dict[str, Any], overrides: dict[str, Any] | None = None,
+                    where: str = "input") -> tuple[Scenario, list[str]]:
+    """``load_scenario_noting`` from a file's data already read (``kvcap search`` ships it to every worker)."""
     overrides, notes = with_displaced(data, overrides or {})
-    return build_scenario(apply_overrides(data, overrides), where=str(path or "input")), notes
+    return build_scenario(apply_overrides(data, overrides), where=where), notes
 
 
 def with_displaced(data: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
