@@ -78,6 +78,11 @@ def _add_load_flags(g: common.Flags) -> None:
     g.add_argument("--max-inflight", type=common.positive_int, default=20_000,
                    help="open-loop cap on streams in flight")
     g.add_argument("--workers", type=common.positive_int, default=1, help="client processes on this host (1)")
+    g.add_argument("--ray", metavar="ADDRESS",
+                   help="run the --workers as Ray actors on an existing cluster (HOST:PORT of its head); "
+                        "needs kvcap[ray] here and kvcap on every node")
+    g.add_argument("--placement", choices=("spread", "pack"), default="spread",
+                   help="with --ray: one worker per node where it can (spread) or together (pack) (spread)")
     g.add_argument("--max-error-rate", default="90%", metavar="RATE|off",
                    help="stop the run when this share of a level's last --error-window requests failed (90%%)")
     g.add_argument("--error-window", type=common.positive_int, default=50, metavar="N",
@@ -176,7 +181,20 @@ def _bench_config(a: argparse.Namespace) -> Any:
                        unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
                        prometheus=_prometheus_url(a.prometheus), local_telemetry=a.local_telemetry,
                        slo=parse_slo(a.slo), workers=a.workers, overwrite=a.overwrite, arm=a.arm, fixed=fixed,
-                       record_text=a.record_text, under_test=sorted(vary), error_rule=_error_rule(a))
+                       record_text=a.record_text, under_test=sorted(vary), error_rule=_error_rule(a),
+                       ray=_ray_address(a.ray), placement=a.placement)
+
+
+def _ray_address(address: str | None) -> str | None:
+    """--ray: Ray must be importable here before anything is sent (InputError: install kvcap[ray])."""
+    if address is None:
+        return None
+    from kvcap.loadgen.ray_workers import import_ray
+
+    import_ray()
+    if not address.strip():
+        raise InputError("--ray needs the cluster's address, e.g. 10.0.0.1:6379")
+    return address.strip()
 
 
 def _error_rule(a: argparse.Namespace) -> Any:

@@ -21,10 +21,11 @@ from kvcap.loadgen.guard import ErrorRule, run_failure
 from kvcap.loadgen.lengths import InputLengths, calibrate
 from kvcap.loadgen.preflight import probe_server
 from kvcap.loadgen.runner import LoadPlan, NoProgress, Progress, Runner, make_session
+from kvcap.loadgen.share import make_factory, merge_level_infos, share_runner
 from kvcap.rundir import SUMMARY, Manifest, RunDir, RunWriter, write_json_atomic
 from kvcap.specs.lengths import LengthDist
 from kvcap.telemetry.scrape import MetricsSampler
-from kvcap.workload.prompts import PromptFactory, TokenCounter, load_dataset
+from kvcap.workload.prompts import PromptFactory, TokenCounter
 
 
 @dataclass
@@ -66,6 +67,10 @@ class BenchConfig:
     server_lengths: bool = True
     """Ask the server how it counts before the sweep (``--input-lengths server``); False: the local counter only."""
     """How prompts are sized to the server's count (kvcap.loadgen.lengths), set before the sweep; workers get it."""
+    ray: str | None = None
+    """A Ray cluster's address (``--ray``): the workers run there as actors (kvcap.loadgen.ray_workers)."""
+    placement: str = "spread"
+    """``--placement``: spread the Ray workers over nodes, or pack them together."""
 
 
 def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, started: float,
@@ -84,6 +89,7 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
         "decoding.extra_body": t.extra_body or None,
         "timeouts.request": t.timeout_s, "timeouts.stall": t.stall_timeout_s,
         "client.host": socket.gethostname(), "client.workers": cfg.workers,
+        **({"client.ray": cfg.ray, "client.placement": cfg.placement} if cfg.ray else {}),
         **cfg.plan.manifest(), **cfg.fixed,
     }
     if cfg.plan.mode == "trace":
@@ -95,19 +101,6 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
                     clock={"epoch_at_origin": epoch_at_origin})
 
 
-def _factory(cfg: BenchConfig, counter: TokenCounter, lengths: InputLengths | None = None) -> PromptFactory:
-    """The run's prompts: sized by the server's word costs and overhead when ``lengths`` (else ``cfg.lengths``)
-    has them, else by ``counter`` (a local tokenizer, or one word one token)."""
-    dataset = load_dataset(cfg.dataset) if cfg.dataset else None
-    lengths = lengths or cfg.lengths or InputLengths()
-    if lengths.costs is not None:
-        counter = TokenCounter(costs=lengths.costs)
-    return PromptFactory(seed=cfg.plan.seed, input_dist=cfg.input_dist, output_dist=cfg.output_dist,
-                         counter=counter, prefix_tokens=cfg.prefix_tokens, prefix_groups=cfg.prefix_groups,
-                         unique_prefix=cfg.unique_prefix, run_id=cfg.run_id, dataset=dataset,
-                         overhead=lengths.overhead)
-
-
 async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: asyncio.Event | None = None,
                     extra_sampler_urls: list[str] | None = None) -> dict[str, Any]:
     """Run the whole sweep; returns the summary (also written to ``summary.json``)."""
@@ -117,18 +110,23 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     if cfg.target.model is None and server.get("models"):
         cfg.target = replace(cfg.target, model=server["models"][0])
     if cfg.server_lengths:
-        cfg.lengths = await calibrate(cfg.target, server, lambda lengths: _factory(cfg, counter, lengths), cfg.plan,
+        cfg.lengths = await calibrate(cfg.target, server, lambda lengths: make_factory(cfg, counter, lengths), cfg.plan,
                                       local_tokenizer=cfg.tokenizer is not None)
     else:
         cfg.lengths = InputLengths(report={"method": "off", "counter": "tokenizer" if cfg.tokenizer else "words",
                                            "checked": False})
-    factory = _factory(cfg, counter)
+    factory = make_factory(cfg, counter)
+    pool = await _ray_pool(cfg) if cfg.ray else None  # a bad address fails before the old run is emptied
     writer = RunWriter(cfg.out, overwrite=cfg.overwrite, append=cfg.append)
     started = time.time()
     origin = cfg.origin if cfg.origin is not None else time.perf_counter()
     epoch_at_origin = time.time() - (time.perf_counter() - origin)
-    if not (cfg.append and (cfg.out / "manifest.json").exists()):
-        writer.manifest(_manifest(cfg, server, factory, started, epoch_at_origin))
+    manifest = _manifest(cfg, server, factory, started, epoch_at_origin)
+    fresh = not (cfg.append and (cfg.out / "manifest.json").exists())
+    if pool is not None:
+        manifest.clock["workers"] = pool.clock_report()
+    if fresh:
+        writer.manifest(manifest)
     stop = stop or asyncio.Event()
     client_stats: list[dict[str, Any]] = []
     interrupted = False
@@ -146,7 +144,9 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
             await sampler.start(session)
         if local is not None:
             local.start()
-        if cfg.workers <= 1:
+        if pool is not None:
+            client_stats, interrupted, stopped = await pool.run(writer, progress or NoProgress(), origin, stop)
+        elif cfg.workers <= 1:
             runner = Runner(target=cfg.target, plan=cfg.plan, factory=factory, sink=writer, counter=counter,
                             progress=progress or NoProgress(), origin=origin, stop=stop,
                             keep_texts=cfg.record_text, rule=cfg.error_rule)
@@ -158,6 +158,11 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
             client_stats, interrupted, stopped = await _run_workers(cfg, writer, progress or NoProgress(), origin,
                                                                     stop)
     finally:
+        if pool is not None:
+            await pool.finish()
+            manifest.clock["workers"] = pool.clock_report()
+            if fresh:
+                writer.manifest(manifest)
         if sampler.urls:
             await sampler.stop(session)
         if local is not None:
@@ -173,8 +178,20 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
     summary["failed"] = run_failure(summary)
     summary["client"] = _client_summary(client_stats)
     summary["telemetry_samples"] = sampler.samples
+    if pool is not None:
+        summary["lost_workers"] = pool.lost_workers()
+        summary["warnings"] = [*(summary.get("warnings") or []), *pool.warnings()]
     write_json_atomic(cfg.out / SUMMARY, summary)
     return summary
+
+
+async def _ray_pool(cfg: BenchConfig) -> Any:
+    """The run's workers as actors on the Ray cluster at ``cfg.ray``, placed and clock-synchronised."""
+    from kvcap.loadgen.ray_workers import RayPool
+
+    pool = RayPool(cfg, cfg.ray or "", cfg.placement)
+    await pool.start()
+    return pool
 
 
 async def _fetch_prometheus(cfg: BenchConfig, writer: RunWriter, epoch_at_origin: float,
@@ -225,7 +242,7 @@ def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, bar
 
     async def main() -> None:
         counter = TokenCounter(cfg.tokenizer)
-        factory = _factory(cfg, counter)
+        factory = make_factory(cfg, counter)
         stop, halt = asyncio.Event(), asyncio.Event()
 
         async def watch() -> None:
@@ -245,10 +262,7 @@ def _worker_main(cfg: BenchConfig, w: int, origin: float, records: mp.Queue, bar
                         return
                     if stop.is_set() or halt.is_set():
                         return
-                    one = replace(cfg.plan, levels=(level,), repeats=1)
-                    runner = Runner(target=cfg.target, plan=one, factory=factory, sink=QueueSink(), counter=counter,
-                                    worker=w, workers=cfg.workers, origin=origin, stop=stop,
-                                    keep_texts=cfg.record_text, rule=cfg.error_rule, halt=halt)
+                    runner = share_runner(cfg, w, level, origin, QueueSink(), counter, factory, stop, halt)
                     await runner.run_level(session, level, repeat)
                     if halt.is_set():
                         return
@@ -318,25 +332,3 @@ async def _run_workers(cfg: BenchConfig, writer: RunWriter, progress: Progress, 
         if p.is_alive():
             p.kill()
     return client_stats, stop.is_set(), stopped
-
-
-def merge_level_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
-    """One level line from the workers' lines: the widest window, summed counts, each worker's client stats."""
-    first = dict(infos[0])
-    first["measure_start_s"] = min(i["measure_start_s"] for i in infos)
-    first["measure_end_s"] = max(i["measure_end_s"] for i in infos)
-    first["t_start_s"] = min(i["t_start_s"] for i in infos)
-    first["t_end_s"] = max(i["t_end_s"] for i in infos)
-    first["sent_measured"] = sum(i.get("sent_measured", 0) for i in infos)
-    if all(i.get("achieved_rate") is not None for i in infos):
-        first["achieved_rate"] = round(sum(i["achieved_rate"] for i in infos), 4)
-    first["late_sends"] = sum(i.get("late_sends", 0) for i in infos)
-    first["backoff_s"] = round(sum(i.get("backoff_s", 0.0) for i in infos), 3)
-    first["stopped"] = next((i["stopped"] for i in infos if i.get("stopped")), None)
-    first["workers"] = len(infos)
-    first["client"] = {"per_worker": [i["client"] for i in infos],
-                       "warnings": sorted({w for i in infos for w in i["client"].get("warnings", [])})}
-    first.pop("worker", None)
-    first.pop("concurrency_this_worker", None)
-    first["interrupted"] = any(i.get("interrupted") for i in infos)
-    return first
