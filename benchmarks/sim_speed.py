@@ -5,13 +5,19 @@ in ≤ 10 s of wall time on one core. Baseline on the same machine: the same sim
 off (one event per engine step, the way step-level simulators such as Vidur advance), so the ratio is what the
 closed-form spans buy. Each case runs in this process, one core, records kept in memory or written to disk.
 
+The whole command as a user runs it (issue 14) — simulate, write the run directory, analyse, print — is measured
+too: ``kvcap sim`` in a subprocess (wall seconds and peak RSS of the child), with and without ``--no-itl``.
+
     .venv/bin/python benchmarks/sim_speed.py [--requests 100000]
+    .venv/bin/python benchmarks/sim_speed.py --cli-only --cli-sizes 10000,100000
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,12 +84,58 @@ def case(name: str, overrides: dict[str, Any], concurrency: int, requests: int, 
             "mb_written": size / 1e6}
 
 
+def cli_case(requests: int, itl: bool, concurrency: int = 32, remote: bool = True) -> dict[str, Any]:
+    """``kvcap sim`` end to end in a fresh process: its wall time, peak RSS (the child's own, from wait4), and
+    run-directory size per file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "kvcap", "sim", str(ROOT / "scenarios" / "seed-reference.yaml"),
+               "--concurrency", str(concurrency), "--requests", str(requests), "--warmup", "0s", "--repeats", "1",
+               "--quiet", "--out", str(out)]
+        if remote:
+            cmd[5:5] = ["--set", "serving.kv_offload=remote"]
+        if not itl:
+            cmd.append("--no-itl")
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=os.environ | {"PYTHONPATH": str(ROOT)})
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        if status != 0:
+            raise SystemExit(f"kvcap sim failed ({status}): {' '.join(cmd)}")
+        sizes = {f.name: f.stat().st_size / 1e6 for f in out.iterdir()}
+        summary = __import__("json").loads((out / "summary.json").read_text())
+    engine = summary["sim"]["engine_wall_s"]
+    return {"case": f"CLI c={concurrency}{' remote' if remote else ''}{'' if itl else ' --no-itl'}",
+            "requests": requests, "wall_s": wall, "engine_s": engine, "rss_mb": usage.ru_maxrss / 1024,
+            "req_mb": sizes.get("requests.jsonl", 0.0), "tel_mb": sizes.get("telemetry.jsonl", 0.0),
+            "realtime": summary["sim"]["simulated_s"] / wall}
+
+
+def cli_table(sizes: list[int]) -> None:
+    rows = [cli_case(n, itl) for n in sizes for itl in (True, False)]
+    print(f"{'case':36} {'requests':>9} {'wall s':>7} {'engine s':>8} {'rest s':>7} {'peak MiB':>9} "
+          f"{'req MB':>7} {'tel MB':>7} {'× real':>7}")
+    for r in rows:
+        print(f"{r['case']:36} {r['requests']:>9,} {r['wall_s']:>7.2f} {r['engine_s']:>8.2f} "
+              f"{r['wall_s'] - r['engine_s']:>7.2f} {r['rss_mb']:>9.0f} {r['req_mb']:>7.1f} {r['tel_mb']:>7.1f} "
+              f"{r['realtime']:>7,.0f}")
+    print("goal (issue 14): 100,000 requests, ITLs kept, c=32 remote: ≤ 10 s wall, ≤ 500 MB peak RSS\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--baseline-requests", type=int, default=10_000,
                     help="requests for the per-step baseline (it is slow; rates are per request)")
+    ap.add_argument("--cli-sizes", default="10000,100000",
+                    help="request counts for the whole-command runs (comma-separated; empty: skip them)")
+    ap.add_argument("--cli-only", action="store_true", help="only the whole-command runs")
     a = ap.parse_args()
+    sizes = [int(x) for x in a.cli_sizes.split(",") if x.strip()]
+    if sizes:
+        cli_table(sizes)
+    if a.cli_only:
+        return
     rows = [
         case("control c=48, engine only", {}, 48, a.requests),
         case("treatment (remote) c=96, engine only", {"serving.kv_offload": "remote"}, 96, a.requests),
