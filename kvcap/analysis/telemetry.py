@@ -8,6 +8,7 @@ maximised (the busiest link). Per node, network figures leave out the loopback d
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import defaultdict
 from typing import Any
@@ -18,14 +19,55 @@ MEAN = {"gpu.util", "gpu.sm_active", "gpu.dram_active", "gpu.engine_active", "se
         "server.kv_usage_host", "server.kv_tier_usage", "server.prefix_cache_hit_rate", "server.offload_hit_rate"}
 MAX = {"link.util"}
 LOOPBACK = ("lo", "lo0")
+HOLD = "hold_s"
+"""A row written on change (``kvcap sim``): its value holds every ``hold_s`` seconds until its series' next row."""
 
 
 def how(name: str) -> str:
     return "mean" if name in MEAN else "max" if name in MAX else "sum"
 
 
+def expand_held(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows written on change back on their regular grid, in the order a full grid is written (by time, then by
+    each series' first appearance), so every figure — means over samples, sums across replicas — is unchanged.
+    Rows without ``hold_s`` (real scrapes, old runs) pass through as they are."""
+    if not any(HOLD in r for r in rows):
+        return rows
+    enabled = gc.isenabled()
+    gc.disable()  # a million fresh dicts, none cyclic: the collector's passes would double the time
+    try:
+        return _expand(rows)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _expand(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    order: dict[tuple[Any, ...], int] = {}
+    held: dict[tuple[Any, ...], tuple[dict[str, Any], float]] = {}
+    out: list[tuple[float, int, dict[str, Any]]] = []
+    for r in rows:
+        key = (r.get("source"), r.get("name"), *sorted((r.get("labels") or {}).items()))
+        i = order.setdefault(key, len(order))
+        t = float(r["t_s"])
+        if key in held:
+            prev, step = held.pop(key)
+            t0, k = float(prev["t_s"]), 1
+            while (ts := round(t0 + k * step, 6)) < t:
+                out.append((ts, i, {**prev, "t_s": ts}))
+                k += 1
+        clean = {k: v for k, v in r.items() if k != HOLD}
+        out.append((t, i, clean))
+        if HOLD in r:
+            held[key] = clean, float(r[HOLD])
+    out.sort()  # (time, series) is unique per row, so the rows themselves are never compared
+    return [r for _, _, r in out]
+
+
 def dedupe_sources(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Keep, per metric name, only the rows of the source kind (``metrics``, ``prometheus``, ``sim``) with most rows."""
+    """Keep, per metric name, only the rows of the source kind (``metrics``, ``prometheus``, ``sim``) with most rows
+    (counted on the grid: rows written on change are expanded first, ``expand_held``)."""
+    rows = expand_held(rows)
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in rows:
         counts[r.get("name", "")][str(r.get("source", "")).split(":", 1)[0]] += 1

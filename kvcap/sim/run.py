@@ -24,6 +24,7 @@ import numpy as np
 from kvcap import __version__
 from kvcap.analysis.slo import parse_slo
 from kvcap.analysis.summary import build_summary
+from kvcap.analysis.telemetry import HOLD
 from kvcap.errors import InputError
 from kvcap.rundir import SUMMARY, Manifest, RequestRecord, RunDir, RunWriter, tpot_ms, write_json_atomic
 from kvcap.sim.cluster import ClusterModel, cluster_model
@@ -50,6 +51,8 @@ class SimConfig:
     overwrite: bool = False
     record_itl: bool = True
     trace_file: str | None = None
+    full_telemetry: bool = False
+    """Write every series at every ``SAMPLE_S`` (the old grid) instead of on change: for tests and comparisons."""
     notes: list[str] = field(default_factory=list)
     """What the command line replaced in the scenario (``specs.load.displaced_by_overrides``), for the manifest."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -154,11 +157,20 @@ class _Lengths:
 
 
 class Sampler:
-    """Telemetry of a running simulation, one row per replica/link/tier each ``SAMPLE_S`` of simulated time."""
+    """Telemetry of a running simulation, sampled per replica/link/tier each ``SAMPLE_S`` of simulated time.
+
+    Written on change (``thin``): a series' row only when its value differs from its previous sample, marked
+    ``hold_s`` (the value holds at each step until that series' next row), plus every series' first and last
+    sample of the level (the last without ``hold_s``, so nothing is held across the gap to the next level).
+    ``kvcap.analysis.telemetry.expand_held`` puts the rows back on the grid: readers see the same rows."""
 
     def __init__(self, sim: Simulation, offset: float, emit: Callable[[list[dict[str, Any]]], None],
-                 tiers: tuple[str, ...]):
-        self.sim, self.offset, self.emit = sim, offset, emit
+                 tiers: tuple[str, ...], thin: bool = True):
+        self.sim, self.offset, self.emit, self.thin = sim, offset, emit, thin
+        self._latest: dict[tuple[Any, ...], dict[str, Any]] = {}
+        """Each series' row at the latest sample (thin)."""
+        self._pending: list[dict[str, Any]] = []
+        """The latest sample's changed rows, held back until the next sample shows it was not the level's last."""
         self.next_t = 0.0
         self.rows = 0
         self.tiers = tiers
@@ -211,8 +223,31 @@ class Sampler:
             for i, tier in enumerate(group):
                 lab = {"tier": name} | ({"node": f"n{i}"} if name == "host" else {})
                 add("server.kv_tier_usage", lab, round(tier.used / tier.capacity, 5) if tier.capacity else 0.0)
+        if self.thin:
+            rows = self._changed(rows)
         self.rows += len(rows)
         self.emit(rows)
+
+    def _changed(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The previous sample's changed rows (now known to hold); this sample's are kept pending."""
+        changed = []
+        for row in rows:
+            key = (row["name"], *row["labels"].values())
+            prev = self._latest.get(key)
+            if prev is None or prev["value"] != row["value"]:
+                changed.append(row)
+            self._latest[key] = row
+        out, self._pending = self._pending, changed
+        for row in out:
+            row[HOLD] = SAMPLE_S
+        return out
+
+    def finish(self) -> None:
+        """The level's last sample of every series, not held (thin; the full grid has written it already)."""
+        if self.thin and self._latest:
+            rows, self._pending = list(self._latest.values()), []
+            self.rows += len(rows)
+            self.emit(rows)
 
 
 class _LevelRun:
@@ -221,7 +256,7 @@ class _LevelRun:
     and at the drain limit records whatever is still in flight as cancelled."""
 
     def __init__(self, cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
-                 writer: RunWriter, record_itl: bool):
+                 writer: RunWriter, record_itl: bool, full_telemetry: bool = False):
         self.plan, self.level, self.repeat, self.offset = plan, level, repeat, offset
         self.writer, self.record_itl = writer, record_itl
         self.mode = plan.mode
@@ -236,7 +271,7 @@ class _LevelRun:
         """Every request submitted and not yet finished, whatever its state (queued, running, parked, mid-copy)."""
         self.draining = False
         self.sim = cm.build(on_finish=self.on_finish)
-        self.sampler = Sampler(self.sim, offset, writer.telemetry, tuple(self.sim.tiers))
+        self.sampler = Sampler(self.sim, offset, writer.telemetry, tuple(self.sim.tiers), thin=not full_telemetry)
         wl = cm.scenario.workload
         self.lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, round(level * 1000), repeat))
         self.specs: list[tuple[float, int, int, Any]] = []
@@ -321,6 +356,7 @@ class _LevelRun:
             req.error = "cancelled"
             sim.finish(req, t_end)
         self.sampler.until(t_end)
+        self.sampler.finish()
         return t_end, leftovers
 
     # ------------------------------------------------------------------ the levels.jsonl line
@@ -360,9 +396,10 @@ class _LevelRun:
 
 
 def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
-                   writer: RunWriter, record_itl: bool = True) -> tuple[dict[str, Any], float]:
+                   writer: RunWriter, record_itl: bool = True,
+                   full_telemetry: bool = False) -> tuple[dict[str, Any], float]:
     """One level (one repeat) on a fresh cluster; returns its levels.jsonl line and its simulated length."""
-    run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl)
+    run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl, full_telemetry)
     run.start_load()
     wall0 = time.perf_counter()
     t_end, cancelled = run.run()
@@ -388,7 +425,8 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
     try:
         for repeat in range(cfg.plan.first_repeat, cfg.plan.first_repeat + cfg.plan.repeats):
             for level in cfg.plan.levels:
-                info, length = simulate_level(cm, cfg.plan, level, repeat, offset, writer, cfg.record_itl)
+                info, length = simulate_level(cm, cfg.plan, level, repeat, offset, writer, cfg.record_itl,
+                                              cfg.full_telemetry)
                 infos.append(info)
                 if progress is not None:
                     progress(info)
