@@ -58,3 +58,19 @@ def test_a_held_value_is_not_carried_across_levels() -> None:
     assert all(HOLD not in r for r in expand_held(rows))
     scraped = [row | {"t_s": 0.0, "value": 1}, row | {"t_s": 5.0, "value": 1}]
     assert expand_held(scraped) is scraped  # real scrapes pass through untouched
+
+
+def test_the_name_index_gives_the_series_a_scan_gives(tmp_path: Path) -> None:
+    from kvcap.analysis.telemetry import Rows, series
+
+    _sim("remote", tmp_path / "run", full=False)
+    rows = dedupe_sources(RunDir(tmp_path / "run").telemetry())
+    assert isinstance(rows, Rows)
+    plain = list(rows)
+    names = {r["name"] for r in plain}
+    nodes = {r["labels"].get("node") for r in plain} - {None}
+    assert len(names) > 10 and nodes
+    for name in names:
+        assert series(rows, name) == series(plain, name), name
+        for node in nodes:
+            assert series(rows, name, node=node) == series(plain, name, node=node), (name, node)

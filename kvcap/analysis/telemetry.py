@@ -64,7 +64,23 @@ def _expand(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for _, _, r in out]
 
 
-def dedupe_sources(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+class Rows(list):
+    """Telemetry rows with an index by metric name, built on first use: ``series`` is called for dozens of names
+    per run, and scanning every row for each name cost more than the rest of the telemetry analysis. Treat it as
+    read-only once an index was built."""
+
+    _by_name: dict[str, list[dict[str, Any]]] | None = None
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        if self._by_name is None:
+            index: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for r in self:
+                index[r.get("name", "")].append(r)
+            self._by_name = dict(index)
+        return self._by_name.get(name, [])
+
+
+def dedupe_sources(rows: list[dict[str, Any]]) -> Rows:
     """Keep, per metric name, only the rows of the source kind (``metrics``, ``prometheus``, ``sim``) with most rows
     (counted on the grid: rows written on change are expanded first, ``expand_held``)."""
     rows = expand_held(rows)
@@ -72,7 +88,7 @@ def dedupe_sources(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         counts[r.get("name", "")][str(r.get("source", "")).split(":", 1)[0]] += 1
     keep = {name: max(kinds, key=lambda k: kinds[k]) for name, kinds in counts.items()}
-    return [r for r in rows if str(r.get("source", "")).split(":", 1)[0] == keep.get(r.get("name", ""))]
+    return Rows(r for r in rows if str(r.get("source", "")).split(":", 1)[0] == keep.get(r.get("name", "")))
 
 
 def _skip_loopback(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -86,7 +102,8 @@ def _skip_loopback(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def series(rows: list[dict[str, Any]], name: str, agg: str | None = None,
            node: str | None = None) -> list[tuple[float, float]]:
     """One value per sample time for ``name`` (optionally one node's), aggregated over the other labels."""
-    mine = [r for r in rows if r.get("name") == name and (node is None or r["labels"].get("node") == node)]
+    named = rows.named(name) if isinstance(rows, Rows) else [r for r in rows if r.get("name") == name]
+    mine = named if node is None else [r for r in named if r["labels"].get("node") == node]
     if name.startswith("net."):
         mine = _skip_loopback(mine)
     acc: dict[float, list[float]] = defaultdict(list)
