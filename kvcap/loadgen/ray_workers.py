@@ -44,16 +44,23 @@ def import_ray() -> Any:
     return ray
 
 
-def reachable(address: str, timeout_s: float = 5.0) -> None:
-    """A HOST:PORT that does not answer is one line now, not Ray's minutes of retries (``auto`` and ``ray://`` are
-    left to Ray)."""
+def ray_head_refusal(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why a HOST:PORT Ray head does not answer (None when it does, or for ``auto`` and ``ray://``, left to Ray):
+    one line now instead of ``ray.init``'s minutes of retries. ``bench --ray`` and ``search --ray`` both ask."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "://" in address:
-        return
+        return None
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        raise InputError(f"--ray {address}: cannot reach the Ray cluster ({exc.strerror or exc})") from None
+        return str(exc.strerror or exc)
+    return None
+
+
+def reachable(address: str, timeout_s: float = 5.0) -> None:
+    why = ray_head_refusal(address, timeout_s)
+    if why is not None:
+        raise InputError(f"--ray {address}: cannot reach the Ray cluster ({why})")
 
 
 def ping_offset(t0: float, worker: float, t1: float) -> tuple[float, float]:

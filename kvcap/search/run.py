@@ -231,19 +231,13 @@ def _ray_tasks(tasks: Sequence[PointTask], address: str) -> Iterator[dict[str, A
 
 
 def _check_ray(address: str) -> None:
-    """Before anything is written: Ray is installed, and a HOST:PORT head answers (ray.init would retry one that
-    does not for minutes)."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise InputError("--ray needs Ray: pip install 'kvcap[ray]'") from None
-    host, sep, port = address.rpartition(":")
-    if not sep or "://" in address or not port.isdigit():
-        return  # "auto", ray://…: Ray's own resolution
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as exc:
-        raise EndpointError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None
+    """Before anything is written: Ray is installed, and a HOST:PORT head answers."""
+    from kvcap.loadgen.ray_workers import import_ray, ray_head_refusal
+
+    import_ray()
+    why = ray_head_refusal(address)
+    if why is not None:
+        raise EndpointError(f"cannot reach the Ray cluster at {address}: {why}")
 
 
 def _results(spec: SearchSpec, tasks: Sequence[PointTask]) -> Iterator[dict[str, Any]]:
