@@ -9,10 +9,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from kvcap.procs import terminate
 from kvcap.serve.engine import Engine, EngineLoad
@@ -25,13 +28,14 @@ from tests.conftest import ROOT, run_cli
 SCENARIO = ROOT / "scenarios" / "seed-reference.yaml"
 
 
-@pytest.fixture
-def serve_sim(tmp_path):
+@contextmanager
+def running_serve_sim(tmp_path: Path, *overrides: str) -> Iterator[tuple[str, Path]]:
+    """``kvcap serve-sim`` of the reference scenario with ``--set`` overrides, on a free port; (url, its log)."""
     log = tmp_path / "sim-log.jsonl"
     err = open(tmp_path / "serve-sim.err", "w+")  # noqa: SIM115 - the server writes to it while it runs
+    sets = [a for o in overrides for a in ("--set", o)]
     proc = subprocess.Popen([sys.executable, "-m", "kvcap", "serve-sim", str(SCENARIO), "--port", "0",
-                             "--log", str(log), "--set", "serving.kv_offload=remote"],
-                            stderr=err, stdout=subprocess.DEVNULL, cwd=ROOT)
+                             "--log", str(log), *sets], stderr=err, stdout=subprocess.DEVNULL, cwd=ROOT)
     url = None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and url is None:
@@ -49,6 +53,12 @@ def serve_sim(tmp_path):
     finally:
         terminate(proc)
         err.close()
+
+
+@pytest.fixture
+def serve_sim(tmp_path):
+    with running_serve_sim(tmp_path, "serving.kv_offload=remote") as got:
+        yield got
 
 
 def test_bench_against_serve_sim_matches_the_simulators_log(serve_sim, tmp_path):
@@ -96,6 +106,46 @@ def test_bench_against_serve_sim_matches_the_simulators_log(serve_sim, tmp_path)
     assert any(t["name"] == "server.requests_parked" for t in telemetry)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["capacity"]["resident_source"].startswith("telemetry")
+    # the pool the simulated vLLM reports in its cache_config_info, recorded at preflight, is the simulator's own
+    truth = cluster_model(load_scenario(SCENARIO, overrides={"serving.kv_offload": "remote"})).build().replicas[0].cfg
+    server = json.loads((out / "manifest.json").read_text())["server"]
+    assert (server["num_gpu_blocks"], server["block_size"]) == (truth.blocks, truth.block_size)
+    assert server["enable_prefix_caching"] is True and server["engine"] == "vllm" and server["kv_engines"] == 4
+
+
+def test_calibrate_takes_the_kv_pool_from_vllms_cache_config_and_predicts_the_wall(tmp_path):
+    """Fit below the KV wall (c = 2, 8: every request resident), predict c = 24 held out, where the pool the
+    server reported (vLLM ``cache_config_info``) holds only part of them: the prediction must see the wall. Prefix
+    caching off (the bench's prompts share a prefix, which would hide the wall), as the server reports too; one
+    replica (one engine)."""
+    one = {"cluster.nodes": 1, "serving.enable_prefix_caching": False}  # one replica: the endpoint is one engine
+    truth = cluster_model(load_scenario(SCENARIO, overrides=one)).build().replicas[0].cfg
+    pool = truth.blocks * truth.block_size
+    lengths = ("--input-tokens", "1024", "--output-tokens", "64")
+    assert 8 * 1088 < pool < 24 * 1088
+    out = tmp_path / "bench"
+    with running_serve_sim(tmp_path, *(f"{k}={v}" for k, v in one.items())) as (url, _):
+        p = run_cli("bench", "--url", url, "--concurrency", "2,8,24", *lengths, "--warmup", "2s", "--duration", "6s",
+                    "--metrics-url", url + "/metrics", "--out", str(out), "--quiet", "--json", timeout=180)
+    assert p.returncode == 0, p.stderr
+    measured = {lv["level"]: lv for lv in json.loads(p.stdout)["levels"]}
+    assert measured[24]["server_running_max"] < 24  # the wall is real: the server could not hold them all
+    cal = run_cli("calibrate", str(out), "--out", str(tmp_path / "cal.yaml"), "--holdout", "24", "--json",
+                  timeout=300)
+    assert cal.returncode == 0, cal.stderr
+    fit = json.loads(cal.stdout)
+    assert fit["kv_tokens"] == pool
+    section = yaml.safe_load((tmp_path / "cal.yaml").read_text())["calibration"]
+    assert "cache_config_info" in section["kv_tokens_source"]
+    assert yaml.safe_load((tmp_path / "cal.yaml").read_text())["serving"]["enable_prefix_caching"] is False
+    held = next(r for r in fit["table"] if r["held_out"])
+    # the wall's consequence is queueing: TTFT p50 ~3 s measured (not the ~0.4 s of c = 8), and no more throughput
+    assert held["measured"]["ttft_p50"] > 5 * measured[8]["ttft_ms"]["p50"]
+    assert abs(held["error_pct"]["ttft_p50"]) < 10, held
+    assert abs(held["error_pct"]["throughput"]) < 10, held
+    # TPOT extrapolates the step line from batches of 2 and 8 to the ~15 resident, with prompts mixed into the
+    # steps by the truth's roofline: +14% measured today
+    assert abs(held["error_pct"]["tpot_p50"]) < 20, held
 
 
 def test_serve_sim_stats_count_what_was_sent(serve_sim):

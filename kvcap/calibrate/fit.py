@@ -62,6 +62,8 @@ def estimate_slots(obs: list[Observation], facts: ServerFacts) -> tuple[int, str
     lower bound, and capping at it would predict a wall nobody measured."""
     if facts.total_slots:
         return facts.total_slots, "server /props total_slots"
+    if facts.max_running:
+        return facts.max_running, "server /get_server_info max_running_requests"
     running = [o.running_max for o in obs if o.running_max]
     top = max(o.level if o.mode == "concurrency" else (o.in_flight or 0.0) for o in obs)
     never = f"never seen full: the engine default {DEFAULT_SLOTS} (at least {{}} ran at once)"

@@ -47,6 +47,12 @@ class ServerFacts:
     total_slots: int | None = None
     n_ctx: int | None = None
     max_model_len: int | None = None
+    kv_tokens: int | None = None
+    """The KV pool in tokens: vLLM's ``num_gpu_blocks × block_size``, SGLang's ``max_total_num_tokens``."""
+    kv_tokens_source: str | None = None
+    max_running: int | None = None
+    """SGLang's ``max_running_requests``: its slot limit (vLLM does not publish ``max_num_seqs``)."""
+    prefix_caching: bool | None = None
 
 
 def _ms(block: dict[str, Any] | None, key: str) -> float | None:
@@ -78,8 +84,20 @@ def server_facts(manifest: dict[str, Any]) -> ServerFacts:
         return int(v) if isinstance(v, (int, float)) and v > 0 else None
 
     engine = s.get("engine")
+    blocks, block_size, sglang = num("num_gpu_blocks"), num("block_size"), num("max_total_num_tokens")
+    kv, kv_source = None, None
+    engines = num("kv_engines") or 1
+    if blocks and block_size:  # one endpoint is one simulated replica: data-parallel engines' pools add up
+        kv = blocks * block_size * engines
+        kv_source = ("server /metrics vllm:cache_config_info num_gpu_blocks × block_size"
+                     + (f" × {engines} engines" if engines > 1 else ""))
+    elif sglang:
+        kv, kv_source = sglang, "server /get_server_info max_total_num_tokens"
+    caching = s.get("enable_prefix_caching")
     return ServerFacts(engine=str(engine) if engine else None, total_slots=num("total_slots"), n_ctx=num("n_ctx"),
-                       max_model_len=num("max_model_len"))
+                       max_model_len=num("max_model_len"), kv_tokens=kv, kv_tokens_source=kv_source,
+                       max_running=num("max_running_requests"),
+                       prefix_caching=caching if isinstance(caching, bool) else None)
 
 
 def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:

@@ -28,15 +28,20 @@ def kv_tokens_of(facts: ServerFacts, slots: int, memory_arithmetic: bool) -> tup
     arithmetic, a pool that never limits (slots × the longest context), since the runs did not show one."""
     if facts.n_ctx and facts.total_slots:
         return facts.n_ctx * facts.total_slots, "server /props n_ctx per slot × total_slots"
+    if facts.kv_tokens and facts.kv_tokens_source:
+        return facts.kv_tokens, facts.kv_tokens_source
     if memory_arithmetic:
         return None, "memory arithmetic (--model, --gpu)"
     return slots * (facts.max_model_len or 131072), "not observed: slots × max_model_len, so it never limits"
 
 
 def base_scenario(cost: StepCost, engine: str, slots: int, kv_tokens: int | None, model: str | None,
-                  gpu: str | None) -> dict[str, Any]:
-    """Everything but workload and load: what the simulator needs to be this server."""
+                  gpu: str | None, prefix_caching: bool | None = None) -> dict[str, Any]:
+    """Everything but workload and load: what the simulator needs to be this server (prefix caching as the
+    server said, else the engine's default)."""
     data: dict[str, Any] = {"serving": serving_section(cost, engine, slots, kv_tokens)}
+    if prefix_caching is not None:
+        data["serving"]["enable_prefix_caching"] = prefix_caching
     if model:
         data["model"] = {"config": model} if model.endswith(".json") else {"preset": model}
     if gpu:

@@ -42,7 +42,7 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
 
     def base_for(cost: StepCost, slots: int) -> tuple[dict[str, Any], str]:
         kv, source = kv_tokens_of(facts, slots, memory_arithmetic=bool(model and gpu))
-        return base_scenario(cost, profile, slots, kv, model, gpu), source
+        return base_scenario(cost, profile, slots, kv, model, gpu, facts.prefix_caching), source
 
     def sim_for(slots: int) -> Simulator:
         return lambda cost: simulate(base_for(cost, slots)[0], fitted, hint)

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvcap.errors import EndpointError
 from kvcap.loadgen.client import Outcome, Target, stream_request
@@ -71,6 +72,7 @@ async def probe_server(target: Target) -> dict[str, Any]:
                     raise EndpointError(f"cannot reach {base}: {why}") from None
                 continue
             _read_facts(info, path, data)
+        await _pool_facts(s, base, info)
         if "engine" not in info:
             owned = str(info.get("owned_by", ""))
             info["engine"] = ENGINES.get(owned, owned or "unknown")
@@ -102,6 +104,79 @@ def _read_facts(info: dict[str, Any], path: str, data: Any) -> None:
         info["total_slots"] = data.get("total_slots")
         gen = data.get("default_generation_settings") or {}
         info["n_ctx"] = gen.get("n_ctx") or data.get("n_ctx")
+
+
+CACHE_CONFIG = "vllm:cache_config_info"
+"""vLLM's info gauge: the KV pool's ``num_gpu_blocks``, ``block_size`` and ``enable_prefix_caching`` as labels."""
+SERVER_INFO = ("/get_server_info", "/server_info")
+"""SGLang's server facts (``max_total_num_tokens``: the KV pool in tokens; ``max_running_requests``); the second
+is the newer name."""
+
+
+async def _pool_facts(session: aiohttp.ClientSession, base: str, info: dict[str, Any]) -> None:
+    """The KV pool and the running limit, where the engine says them: vLLM's ``/metrics`` info gauge, SGLang's
+    server info. Only the numbers are kept: SGLang's answer also holds the server's API keys in clear."""
+    if "total_slots" in info:  # llama.cpp said it at /props
+        return
+    try:
+        async with session.get(base + "/metrics") as r:
+            text = await r.text() if r.status == 200 else ""
+        info.update(cache_config(text))
+    except Exception:
+        pass
+    if "num_gpu_blocks" in info:
+        return
+    for path in SERVER_INFO:
+        try:
+            async with session.get(base + path) as r:
+                data = await r.json(content_type=None) if r.status == 200 else None
+        except Exception:
+            continue
+        if isinstance(data, dict):
+            info.update(sglang_facts(data))
+            return
+
+
+def cache_config(text: str) -> dict[str, Any]:
+    """``num_gpu_blocks``, ``block_size``, ``enable_prefix_caching`` from vLLM's ``cache_config_info`` (engine
+    0's series) and ``kv_engines``, how many engines report one (data-parallel engines: a pool each); {} when
+    absent or unparsable."""
+    if CACHE_CONFIG not in text:
+        return {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception:
+        return {}
+    samples = [smp for fam in families if fam.name == CACHE_CONFIG for smp in fam.samples]
+    if not samples:
+        return {}
+    labels = min(samples, key=lambda smp: smp.labels.get("engine", "")).labels
+    out: dict[str, Any] = {"kv_engines": len({smp.labels.get("engine", "") for smp in samples})}
+    for key in ("num_gpu_blocks", "block_size"):
+        v = labels.get(key, "")
+        if v.isdigit() and int(v) > 0:
+            out[key] = int(v)
+    if labels.get("enable_prefix_caching") in ("True", "False"):
+        out["enable_prefix_caching"] = labels["enable_prefix_caching"] == "True"
+    if "num_gpu_blocks" not in out:
+        return {}
+    out["engine"] = "vllm"
+    return out
+
+
+def sglang_facts(data: dict[str, Any]) -> dict[str, Any]:
+    """``max_total_num_tokens`` and ``max_running_requests`` from SGLang's server info, at the top level or in its
+    first scheduler's ``internal_states``; {} when it says neither (not SGLang)."""
+    states = data.get("internal_states")
+    inner = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+    out: dict[str, Any] = {}
+    for key in ("max_total_num_tokens", "max_running_requests"):
+        v = data.get(key, inner.get(key))
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[key] = v
+    if out:
+        out["engine"] = "sglang"
+    return out
 
 
 async def _tiny_request(session: aiohttp.ClientSession, target: Target, base: str,

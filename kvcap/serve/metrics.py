@@ -35,9 +35,13 @@ class RequestCounters:
 
 @dataclass(frozen=True)
 class Gauge:
+    """One gauge series; ``labels`` as a counter's ``extra`` (``'key="value",'``), for info gauges such as vLLM's
+    ``cache_config_info`` whose facts are in the labels and whose value is 1."""
+
     name: str
     help: str
     value: float
+    labels: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,13 @@ def render_metrics(families: Sequence[MetricFamily], model_name: str) -> str:
     """Prometheus text exposition, every series labelled with ``model_name`` as vLLM does."""
     label = f'model_name="{model_name}"'
     out: list[str] = []
+    described: set[str] = set()
     for fam in families:
         if isinstance(fam, Gauge):
-            out.extend((f"# HELP {fam.name} {fam.help}", f"# TYPE {fam.name} gauge",
-                        f"{fam.name}{{{label}}} {float(fam.value)!r}"))
+            if fam.name not in described:  # several series of one family (labels) share one HELP and TYPE
+                described.add(fam.name)
+                out.extend((f"# HELP {fam.name} {fam.help}", f"# TYPE {fam.name} gauge"))
+            out.append(f"{fam.name}{{{fam.labels}{label}}} {float(fam.value)!r}")
             continue
         out.extend((f"# HELP {fam.name}_total {fam.help}", f"# TYPE {fam.name}_total counter"))
         out.extend(f"{fam.name}_total{{{extra}{label}}} {float(v)!r}" for extra, v in fam.series)

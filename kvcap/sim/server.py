@@ -148,7 +148,21 @@ class RealTimeSim:
                     [("", sum(r.prompt_tokens for r in reps))]),
             Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                     [("", sum(r.generation_tokens for r in reps))]),
+            *self._cache_config(),
         ]
+
+    def _cache_config(self) -> list[MetricFamily]:
+        """vLLM's ``cache_config_info`` (facts in labels, value 1), one series per replica labelled ``engine`` as
+        data-parallel vLLM engines report theirs: what ``kvcap bench`` records and ``kvcap calibrate`` reads."""
+        if self.cm.scenario.serving.engine != "vllm":
+            return []
+        out: list[MetricFamily] = []
+        for i, r in enumerate(self.sim.replicas):
+            cfg = r.cfg
+            out.append(Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1.0,
+                             f'block_size="{cfg.block_size}",enable_prefix_caching="{cfg.prefix_caching}",'
+                             f'engine="{i}",num_gpu_blocks="{cfg.blocks}",'))
+        return out
 
 
 async def serve(cm: ClusterModel, host: str = "127.0.0.1", port: int = 8000, log: Path | None = None,
