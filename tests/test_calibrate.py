@@ -182,3 +182,33 @@ def test_closed_form_tells_the_front_end_from_prefill_when_a_closed_loop_starts_
     cost, _, notes = closed_form(flat, slots=8)
     assert cost.per_request == 0.0 and cost.per_prefill_token == pytest.approx(ppt, rel=1e-6)
     assert "per_request not fitted" in notes[-1]
+
+
+def test_a_trace_replay_held_out_is_predicted_from_its_own_schedule(profile8, tmp_path):
+    """Fit on the closed-loop levels, hold out a bursty trace (bursts of 12 on 8 slots, outputs 16-48 tokens):
+    the simulator replays the schedule the records say was sent, and predicts its queueing and its pace."""
+    rows = [{"timestamp": 2000 * b + 5 * i, "input_length": 64, "output_length": 16 + 8 * ((b + i) % 5),
+             "hash_ids": []} for b in range(5) for i in range(12)]
+    trace = tmp_path / "bursts.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with start_fake_server(slots=8, step_a="20ms", step_b="3ms") as srv:
+        proc = run_cli("bench", "--url", srv.url, "--out", str(tmp_path / "trace"), "--quiet", "--json",
+                       "--metrics-url", srv.url + "/metrics", "--trace", str(trace), "--warmup", "0s", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = json.loads(proc.stdout)["levels"][0]
+    assert measured["mode"] == "trace" and measured["ok"] == 60
+    assert measured["ttft_ms"]["p50"] > 200  # the bursts queue (an unqueued first step is 20-44 ms)
+    r = calibrate_json(str(profile8), str(tmp_path / "trace"), "--out", str(tmp_path / "cal.yaml"),
+                       "--holdout", "trace")
+    held = [row for row in r["table"] if row["held_out"]]
+    assert [row["mode"] for row in held] == ["trace"]
+    err = held[0]["error_pct"]
+    for metric in ("throughput", "tpot_p50", "ttft_p50", "ttft_p95"):
+        assert abs(err[metric]) < 10, (metric, held[0])
+    assert all(not row["held_out"] for row in r["table"] if row["mode"] == "concurrency")
+    load_scenario(tmp_path / "cal.yaml")  # the load section is the closed-loop group's: a trace has no keys
+
+
+def test_holdout_trace_without_a_trace_run_is_bad_input(profile8, tmp_path):
+    proc = run_cli("calibrate", str(profile8), "--out", str(tmp_path / "c.yaml"), "--holdout", "trace")
+    assert proc.returncode == 2 and "trace" in proc.stderr and "Traceback" not in proc.stderr

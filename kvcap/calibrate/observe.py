@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvcap.analysis.summary import build_summary
 from kvcap.errors import InputError
 from kvcap.rundir import RunDir
+from kvcap.workload.trace import TraceRow
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class Observation:
     window: tuple[float | None, float | None, int | None, int] = (None, None, None, 0)
     """The run's (warm-up s, measured duration s, measured requests, seed): an open-loop level past capacity
     queues for as long as it runs, so the simulator must run it for exactly as long."""
+    trace: tuple[TraceRow, ...] = field(default=(), compare=False, repr=False)
+    """A trace level's schedule as it was sent (arrival from the level's start, prompt and asked output per
+    request), rebuilt from its records: the simulator replays exactly that."""
 
     @property
     def label(self) -> str:
@@ -112,14 +116,15 @@ def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:
         run = RunDir(path)
         manifest = run.manifest
         summary = build_summary(run)
-        if any(lv["mode"] == "trace" for lv in summary["levels"]):
-            raise InputError(f"run {str(path)!r} replayed a trace: calibrate fits closed-loop (--concurrency) or "
-                             "open-loop (--rate) levels")
         fixed = manifest.get("fixed") or {}
         arrival = str(fixed.get("load.arrival") or "poisson")
         window = (fixed.get("load.warmup"), fixed.get("load.duration"), fixed.get("load.requests"),
                   int(fixed.get("load.seed") or 0))
         got = [o for lv in summary["levels"] if (o := level_observation(str(path), lv, arrival, window)) is not None]
+        if any(o.mode == "trace" for o in got):
+            warmup = float(fixed.get("load.warmup") or 0.0)
+            got = [replace(o, trace=sent_schedule(run, o.level, warmup), window=(warmup, None, None, 0))
+                   if o.mode == "trace" else o for o in got]
         if not got:
             raise InputError(f"run {str(path)!r} has no successful requests: nothing to calibrate on")
         obs += got
@@ -128,3 +133,19 @@ def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:
         raise InputError(f"calibrate needs at least 2 load levels with successful requests; got {len(obs)} "
                          f"({', '.join(o.label for o in obs)}): bench more levels, e.g. --concurrency 1,2,4,8")
     return obs, facts or ServerFacts()
+
+
+def sent_schedule(run: RunDir, level: float, warmup_s: float) -> tuple[TraceRow, ...]:
+    """The rows a trace level sent, from its first repeat's records: each request's scheduled send time (its
+    ``start_s``: latencies count from it) less the level's start (its measured window's start less the warm-up),
+    its prompt and the output it asked for. Hash ids are not in records: prefix reuse is not replayed."""
+    infos = [i for i in run.levels() if i.get("mode") == "trace" and float(i["level"]) == level
+             and int(i.get("repeat", 0)) == 0]
+    recs = [r for r in run.records() if r.get("mode") == "trace" and float(r["level"]) == level
+            and int(r.get("repeat", 0)) == 0]
+    if not recs:
+        return ()
+    t0 = float(infos[0]["measure_start_s"]) - warmup_s if infos else min(float(r["start_s"]) for r in recs)
+    return tuple(sorted((TraceRow(max(float(r["start_s"]) - t0, 0.0), max(int(r["input_tokens"]), 1),
+                                  max(int(r.get("requested_output_tokens") or r["output_tokens"]), 1))
+                         for r in recs), key=lambda row: row.arrival_s))

@@ -85,7 +85,9 @@ def calibration_section(runs: list[str], result: Fit, engine: str, kv_source: st
 def measured_load(obs: list[Observation], tpot_s: float) -> dict[str, Any]:
     """The workload and load the runs measured (the group with the most levels), so the calibrated scenario runs
     as is: ``kvcap sim calibrated.yaml`` and ``kvcap ab calibrated.yaml --treatment …`` need no load flags."""
-    grouped = groups(obs)
+    grouped = {g: members for g, members in groups(obs).items() if g[0] != "trace"}  # a trace has no load keys
+    if not grouped:
+        return {}
     main = max(grouped, key=lambda g: len(grouped[g]))
     return group_sections(main, [o.level for o in grouped[main]], tpot_s)
 

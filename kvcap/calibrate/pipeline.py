@@ -20,23 +20,33 @@ from kvcap.calibrate.simulate import StepCost, key, simulate
 from kvcap.errors import InputError
 
 
-def split_holdout(obs: list[Observation], holdout: tuple[float, ...]) -> tuple[list[Observation], list[Observation]]:
-    """(levels to fit on, levels held out); every held-out level must have been measured, two must remain."""
-    missing = [f"{v:g}" for v in holdout if not any(o.level == v for o in obs)]
+def split_holdout(obs: list[Observation], holdout: tuple[float, ...],
+                  trace: bool = False) -> tuple[list[Observation], list[Observation]]:
+    """(levels to fit on, levels held out): closed- and open-loop levels by value, trace levels all together
+    (``trace``); every held-out level must have been measured, two must remain."""
+    levels = [o for o in obs if o.mode != "trace"]
+    missing = [f"{v:g}" for v in holdout if not any(o.level == v for o in levels)]
+    if trace and not any(o.mode == "trace" for o in obs):
+        missing.append("trace")
     if missing:
         raise InputError(f"--holdout {','.join(missing)}: no such measured level "
-                         f"(measured: {', '.join(sorted({f'{o.level:g}' for o in obs}, key=float))})")
-    kept = [o for o in obs if o.level not in holdout]
+                         f"(measured: {', '.join(sorted({o.label for o in obs}))})")
+
+    def held(o: Observation) -> bool:
+        return trace if o.mode == "trace" else o.level in holdout
+
+    kept = [o for o in obs if not held(o)]
     if len(kept) < 2:
         raise InputError(f"--holdout leaves {len(kept)} level(s) to fit on; calibrate needs at least 2")
-    return kept, [o for o in obs if o.level in holdout]
+    return kept, [o for o in obs if held(o)]
 
 
 def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tuple[float, ...] = (),
-              model: str | None = None, gpu: str | None = None, max_evals: int = MAX_EVALS) -> dict[str, Any]:
+              model: str | None = None, gpu: str | None = None, max_evals: int = MAX_EVALS,
+              holdout_trace: bool = False) -> dict[str, Any]:
     """Fit, write ``out`` (only when the fit converged), and return what ``--json`` prints."""
     obs, facts = observe(runs)
-    fitted, held = split_holdout(obs, holdout)
+    fitted, held = split_holdout(obs, holdout, holdout_trace)
     profile = engine_of(facts, engine)
     hint = min(o.tpot_p50 for o in obs)
 

@@ -49,11 +49,12 @@ Group = tuple[str, int, int, str, tuple[float | None, float | None, int | None, 
 
 def groups(obs: list[Observation]) -> dict[Group, list[Observation]]:
     """Levels that one simulated run can reproduce: same mode, same (rounded) lengths; open loop also the same
-    arrival process and window."""
+    arrival process and window; a trace level alone (its own schedule: the arrival slot names its run)."""
     out: dict[Group, list[Observation]] = defaultdict(list)
     for o in obs:
         closed = o.mode == "concurrency"
-        out[(o.mode, max(1, round(o.input_tokens)), max(1, round(o.output_tokens)), "" if closed else o.arrival,
+        arrival = f"{o.run}@{o.level:g}" if o.mode == "trace" else "" if closed else o.arrival
+        out[(o.mode, max(1, round(o.input_tokens)), max(1, round(o.output_tokens)), arrival,
              (None, None, None, 0) if closed else o.window)].append(o)
     return out
 
@@ -62,6 +63,9 @@ def group_sections(key: Group, levels: list[float], tpot_s: float) -> dict[str, 
     """The workload and load sections of one simulated run. Closed loop: a warm-up of a few requests' length,
     then a count (its steady state does not depend on the window). Open loop: the run's own window and seed."""
     mode, n_in, n_out, arrival, (warmup, measured, requests, seed) = key
+    if mode == "trace":  # the rows sent, each request's own lengths: replayed whole after the same warm-up
+        return {"workload": {"input_tokens": n_in, "output_tokens": n_out},
+                "load": {"warmup": warmup or 0.0, "duration": None, "requests": None}}
     if mode == "concurrency":
         load: dict[str, Any] = {"concurrency": sorted({int(v) for v in levels}), "duration": None,
                                 "warmup": duration(3 * n_out * max(tpot_s, 1e-4)),
@@ -80,12 +84,12 @@ def simulate(base: dict[str, Any], obs: list[Observation], tpot_hint_s: float) -
         for i, (gkey, members) in enumerate(groups(obs).items()):
             data = {**base, **group_sections(gkey, [o.level for o in members], tpot_hint_s)}
             scenario = build_scenario(data, "calibrated scenario")
-            plan = LoadPlan.from_spec(scenario.load)
+            plan = LoadPlan.from_spec(scenario.load, trace=members[0].trace if gkey[0] == "trace" else ())
             summary = run_sim(SimConfig(scenario=scenario, plan=plan, out=Path(tmp) / f"g{i}", record_itl=False,
                                         overwrite=True))
             by_level = {float(lv["level"]): lv for lv in summary["levels"]}
             for o in members:
-                lv = by_level.get(o.level)
+                lv = by_level.get(o.level) if gkey[0] != "trace" else next(iter(by_level.values()), None)
                 got = level_observation(o.run, lv) if lv is not None else None
                 if got is not None:
                     out[key(o)] = got

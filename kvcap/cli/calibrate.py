@@ -19,10 +19,12 @@ def register(sub: common.Subparsers) -> None:
     p = sub.add_parser(
         "calibrate", help="fit a scenario (step cost, slots, KV pool) to bench runs of a real server",
         description=common.doc("""
-            Reads bench run directories of one server (closed-loop or open-loop levels), fits the simulator's
-            per-step cost (serving.step_cost: base, per_decode, per_prefill_token, per_context_token) and limits
-            (serving.max_num_seqs, serving.kv_tokens) — in closed form first, then refined by running the simulator
-            on the measured levels — and writes an ordinary scenario file with a calibration: section (source runs,
+            Reads bench run directories of one server (closed-loop or open-loop levels; trace replays, whose
+            schedule is rebuilt from their records and replayed as sent), fits the simulator's per-step cost
+            (serving.step_cost: base, per_decode, per_prefill_token, per_context_token, per_request) and limits
+            (serving.max_num_seqs, serving.kv_tokens: from the server where it says them — llama.cpp /props, vLLM
+            cache_config_info, SGLang server info) — in closed form first, then refined by running the simulator on
+            the measured levels — and writes an ordinary scenario file with a calibration: section (source runs,
             coefficients with standard errors, the fit table). Prints, per level, measured vs simulated throughput,
             TTFT and TPOT. Fewer than 2 levels, a run without successful requests, or a fit that does not converge:
             one line, exit 2, nothing written.
@@ -32,7 +34,8 @@ def register(sub: common.Subparsers) -> None:
     p.add_argument("--engine", choices=("vllm", "llamacpp"),
                    help="scheduling profile (default: llamacpp if the server answered /props, else vllm)")
     p.add_argument("--holdout", metavar="LEVELS",
-                   help="levels to leave out of the fit and report the prediction error on, e.g. 8 or 4,8")
+                   help="levels to leave out of the fit and report the prediction error on, e.g. 8 or 4,8; "
+                        "'trace' holds out every trace replay, e.g. 8,trace")
     p.add_argument("--model", metavar="ID|config.json",
                    help="model, for what-ifs on memory arithmetic (with --gpu; default: kv_tokens only)")
     p.add_argument("--gpu", metavar="NAME", help="GPU preset, for what-ifs on memory arithmetic (with --model)")
@@ -46,8 +49,11 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from kvcap.calibrate.output import render_table
     from kvcap.calibrate.pipeline import calibrate
 
-    holdout = common.parse_levels(a.holdout, "--holdout", False) if a.holdout else ()
-    result = calibrate(list(a.runs), Path(a.out), a.engine, holdout, a.model, a.gpu)
+    parts = [x.strip() for x in (a.holdout or "").split(",") if x.strip()]
+    trace = "trace" in parts
+    values = ",".join(x for x in parts if x != "trace")
+    holdout = common.parse_levels(values, "--holdout", False) if values else ()
+    result = calibrate(list(a.runs), Path(a.out), a.engine, holdout, a.model, a.gpu, holdout_trace=trace)
     if a.json:
         common.print_json(result)
         return 0
