@@ -113,3 +113,15 @@ def test_real_traces_read():
     moon = read_trace(str(DATA / "traces" / "mooncake_conversation_trace.jsonl.gz"), limit=500)
     assert len(moon) == 500 and moon[0].arrival_s == 0 and moon[0].hash_ids
     assert all(b.arrival_s >= a.arrival_s for a, b in itertools.pairwise(moon))
+
+
+def test_prompt_cache_is_bounded_and_rebuilt_bodies_are_the_same(monkeypatch):
+    """A long run must not keep every prompt body: past the bound they are rebuilt from (seed, i), identically."""
+    import kvcap.workload.prompts as prompts
+
+    monkeypatch.setattr(prompts, "CACHE_CHARS", 5_000)
+    f = prompts.PromptFactory(seed=1, input_dist=parse_length(64), output_dist=parse_length(4))
+    first = [f.body(i) for i in range(200)]
+    assert 0 < f._cached_chars <= 5_000 and len(f._cache) < 200
+    fresh = prompts.PromptFactory(seed=1, input_dist=parse_length(64), output_dist=parse_length(4))
+    assert [f.body(i) for i in range(200)] == first == [fresh.body(i) for i in range(200)]

@@ -122,6 +122,11 @@ class RequestSpec:
     messages: list[dict[str, str]] | None = None
 
 
+CACHE_CHARS = 32_000_000
+"""Prompt bodies kept for reuse by later levels and repeats (which send the same bodies again), at most this many
+characters (~32 MB): bodies are rebuilt from (seed, i) past it, so a run's memory does not grow with its length."""
+
+
 @dataclass
 class PromptFactory:
     """Builds request ``i`` deterministically from (seed, i); the nonce varies by run/level/repeat."""
@@ -139,6 +144,7 @@ class PromptFactory:
     """Tokens the server adds to every prompt (BOS, chat template): generated prompts are built to the target
     minus this, so the server's count is the target."""
     _cache: dict[int, tuple[str, int, int, int | None, list | None]] = field(default_factory=dict)
+    _cached_chars: int = 0
 
     @cached_property
     def _words(self) -> np.ndarray:
@@ -180,8 +186,9 @@ class PromptFactory:
             words = self._words[rng.integers(len(WORDS), size=in_t + 8)]
             text = " ".join(words)
         entry = (text, in_t, out_t, group, messages)
-        if len(self._cache) < 200_000:
+        if self._cached_chars + len(text) <= CACHE_CHARS:
             self._cache[i] = entry
+            self._cached_chars += len(text)
         return entry
 
     def request(self, i: int, level: float = 0, repeat: int = 0) -> RequestSpec:
