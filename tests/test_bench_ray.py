@@ -139,12 +139,13 @@ def test_lost_node_is_recorded_not_a_crash(cluster, server, tmp_path):
 
 
 @needs_ray
-def test_unreachable_cluster_is_one_line_exit_2_and_keeps_the_old_run(server, tmp_path):
+def test_unreachable_cluster_is_one_line_exit_1_and_keeps_the_old_run(server, tmp_path):
+    """Exit 1 as for a dead --url (an endpoint that cannot serve the run), as search --ray does."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "requests.jsonl").write_text("old\n")
     proc = run_cli("bench", "--url", server.url, "--concurrency", "1", "--out", str(out), "--overwrite",
                    "--ray", "127.0.0.1:1", timeout=60)
-    assert proc.returncode == 2 and "cannot reach the Ray cluster" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "cannot reach the Ray cluster" in proc.stderr, proc.stderr
     assert proc.stderr.strip().count("\n") == 0
     assert (out / "requests.jsonl").read_text() == "old\n"

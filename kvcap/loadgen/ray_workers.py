@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcap.errors import InputError
+from kvcap.errors import EndpointError, InputError
 from kvcap.loadgen.client import Outcome, to_record
 from kvcap.loadgen.runner import Progress, Runner, make_session
 from kvcap.loadgen.share import make_factory, merge_level_infos, share_runner
@@ -58,9 +58,12 @@ def ray_head_refusal(address: str, timeout_s: float = 5.0) -> str | None:
 
 
 def reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Ray is installed (else bad input, exit 2) and a HOST:PORT head answers (else, as for a dead ``--url``, an
+    endpoint that cannot serve the run: exit 1). ``bench --ray`` and ``search --ray`` both check this way."""
+    import_ray()
     why = ray_head_refusal(address, timeout_s)
     if why is not None:
-        raise InputError(f"--ray {address}: cannot reach the Ray cluster ({why})")
+        raise EndpointError(f"cannot reach the Ray cluster at {address}: {why}")
 
 
 def ping_offset(t0: float, worker: float, t1: float) -> tuple[float, float]:

@@ -232,12 +232,9 @@ def _ray_tasks(tasks: Sequence[PointTask], address: str) -> Iterator[dict[str, A
 
 def _check_ray(address: str) -> None:
     """Before anything is written: Ray is installed, and a HOST:PORT head answers."""
-    from kvcap.loadgen.ray_workers import import_ray, ray_head_refusal
+    from kvcap.loadgen.ray_workers import reachable
 
-    import_ray()
-    why = ray_head_refusal(address)
-    if why is not None:
-        raise EndpointError(f"cannot reach the Ray cluster at {address}: {why}")
+    reachable(address)
 
 
 def _results(spec: SearchSpec, tasks: Sequence[PointTask]) -> Iterator[dict[str, Any]]:
