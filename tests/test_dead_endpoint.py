@@ -163,6 +163,10 @@ def test_server_failing_everything_is_stopped_by_the_error_rule(tmp_path):
     assert s["client"]["cpu_fraction_max"] < 0.5, s["client"]
     level = s["levels"][0]
     assert level["ok"] == 0 and level["errors"] == sent
+    # analysed again later, the run still says why it failed (and keeps it in summary.json)
+    again = run_cli("analyze", str(tmp_path / "run"))
+    assert again.returncode == 0 and "stopped" in again.stderr and "http_5xx" in again.stderr, again.stderr
+    assert summary_of(tmp_path / "run")["failed"] == s["failed"]
 
 
 def test_open_loop_against_a_failing_server_stops_by_the_rule(tmp_path):

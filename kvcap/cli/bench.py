@@ -262,10 +262,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         common.print_json(summary)
     else:
         render_levels(summary, title=f"kvcap bench → {cfg.out}")
-    for warning in summary.get("warnings") or []:
-        print(f"kvcap bench: warning: {warning}", file=sys.stderr)
-    if summary.get("failed"):
-        print(f"kvcap bench: {summary['failed']}", file=sys.stderr)
+    common.print_notes("bench", summary)
     return common.exit_status(summary)
 
 

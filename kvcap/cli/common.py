@@ -164,6 +164,17 @@ def allowed_differences(text: str | None) -> set[str]:
     return {k.strip() for k in (text or "").split(",") if k.strip()}
 
 
+def print_notes(prog: str, summary: dict[str, Any]) -> None:
+    """The summary's warnings and why the run failed, on stderr: what ``bench`` says when it ends, ``analyze`` and
+    ``sim`` say too (a re-analysed run keeps its ``failed``), so no reader of a run misses them."""
+    import sys
+
+    for warning in summary.get("warnings") or []:
+        print(f"kvcap {prog}: warning: {warning}", file=sys.stderr)
+    if summary.get("failed"):
+        print(f"kvcap {prog}: {summary['failed']}", file=sys.stderr)
+
+
 def exit_status(summary: dict[str, Any]) -> int:
     """130 (as after Ctrl-C) when the run was interrupted; 1 when it failed as a whole (``summary["failed"]``:
     stopped by the error rule, or no request succeeded — the records are kept, the sweep is not a result); else 0."""

@@ -57,11 +57,14 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     for key in KEPT_SUMMARY_KEYS:
         if key in old:
             summary[key] = old[key]
+    fresh = summary.get("warnings") or []  # the run's own (e.g. Ray clock offsets) stay beside the recomputed
+    summary["warnings"] = [*fresh, *(w for w in old.get("warnings") or [] if w not in fresh)]
     write_json_atomic(run.dir / SUMMARY, summary)
     if a.json:
         common.print_json(summary)
     else:
         render_levels(summary, title=f"kvcap analyze {a.dir}")
+    common.print_notes("analyze", summary)
     return 0
 
 

@@ -136,6 +136,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     else:
         render_levels(summary, title=f"kvcap sim → {cfg.out}")
         print(_speed_line(summary))
+    common.print_notes("sim", summary)
     return common.exit_status(summary)
 
 
