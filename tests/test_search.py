@@ -125,11 +125,12 @@ def test_search_page_and_report_of_a_search_dir(two_jobs, tmp_path):
     assert [(e["value"], e["effective"]) for e in eff] == [("fp16", 48), ("fp8", 96)]
 
 
-def test_ctrl_c_keeps_the_finished_points(tmp_path):
+def test_ctrl_c_keeps_the_finished_points_and_resume_runs_only_the_rest(tmp_path):
     out = tmp_path / "s"
-    proc = subprocess.Popen([sys.executable, "-m", "kvcap", "search", str(SCENARIO), "--grid",
-                             "cluster.nodes=1,2,3,4,5,6,7,8", "--concurrency", "16,32", "--duration", "400s",
-                             "--warmup", "2s", "--repeats", "1", "--no-itl", "--jobs", "2", "--quiet", "--out", str(out)],
+    args = ["search", str(SCENARIO), "--grid", "cluster.nodes=1,2,3,4,5,6,7,8", "--concurrency", "16,32",
+            "--duration", "400s", "--warmup", "2s", "--repeats", "1", "--no-itl", "--jobs", "2", "--quiet",
+            "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "kvcap", *args],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     points, deadline = out / "points.jsonl", time.monotonic() + 60
     while time.monotonic() < deadline and not (points.exists() and points.read_text().strip()):
@@ -146,6 +147,20 @@ def test_ctrl_c_keeps_the_finished_points(tmp_path):
         names = {p.name for p in (out / r["run_dir"]).iterdir()}
         assert {"manifest.json", "requests.jsonl", "levels.jsonl", "summary.json"} <= names
         assert r["gpus"] == r["cost"] == r["point"]["cluster.nodes"]
+    kept = {r["run_dir"]: (out / r["run_dir"] / "summary.json").stat().st_mtime_ns for r in rows}
+
+    other = run_cli(*[a if a != "cluster.nodes=1,2,3,4,5,6,7,8" else "cluster.nodes=1,2" for a in args], "--resume")
+    assert other.returncode == 2 and "different search" in other.stderr, other.stderr
+    again = run_cli(*args, "--resume", timeout=300)
+    assert again.returncode == 0, again.stderr
+    result = json.loads((out / "search.json").read_text())
+    assert result["interrupted"] is False and result["finished"] == result["points"] == 8
+    final = [json.loads(x) for x in (out / "points.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in final] == list(range(8))
+    assert [r for r in final if r["run_dir"] in kept] == rows  # the finished points are kept, not run again
+    assert all((out / d / "summary.json").stat().st_mtime_ns == t for d, t in kept.items())
+    timed = [json.loads(x)["index"] for x in (out / "timings.jsonl").read_text().splitlines()]
+    assert sorted(timed) == list(range(8))  # every point ran exactly once over both runs
 
 
 @pytest.mark.parametrize("args, message", [

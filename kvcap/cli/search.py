@@ -33,7 +33,7 @@ def register(sub: common.Subparsers) -> None:
             (--price gpu=COST, default 1) + every --price KEY=VALUE=COST the point matches. Recommended: the
             points meeting --target (all of them; default: the best effective capacity found) at the lowest
             cost, fewest changes from the baseline (each key's first value) among equal costs. Ctrl-C keeps the
-            points that finished.
+            points that finished; --resume (the same command) runs only the others.
         """), epilog=SEARCH_EXAMPLES, formatter_class=common.formatter)
     p.add_argument("scenario", metavar="SCENARIO.yaml")
     p.add_argument("--grid", action="append", metavar="KEY=V1,V2", help="a scenario key and its values (repeatable)")
@@ -48,6 +48,8 @@ def register(sub: common.Subparsers) -> None:
     p.add_argument("--no-itl", action="store_true", help="do not store per-token gaps (smaller run directories)")
     p.add_argument("--out", required=True, metavar="DIR", help="search directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a search already in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="run only the points the same search in --out has not finished (after Ctrl-C or a crash)")
     common.add_json_flag(p, help="print search.json at the end")
     common.add_quiet_flag(p, help="no progress")
     add_load_overrides(p)
@@ -65,7 +67,7 @@ def _spec(a: argparse.Namespace) -> Any:
     grid = parse_grid(a.grid)
     return SearchSpec(scenario=a.scenario, data=read_yaml(a.scenario), grid=grid, out=Path(a.out),
                       overrides=sim_overrides(a), targets=parse_targets(a.target), prices=parse_prices(a.price, grid),
-                      jobs=a.jobs, ray=a.ray, summary_only=a.summary_only, overwrite=a.overwrite,
+                      jobs=a.jobs, ray=a.ray, summary_only=a.summary_only, overwrite=a.overwrite, resume=a.resume,
                       trace=tuple(read_trace(a.trace)) if a.trace else (), trace_file=a.trace,
                       trace_speed=a.trace_speed, slo=a.slo, record_itl=not a.no_itl)
 

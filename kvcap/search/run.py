@@ -9,6 +9,8 @@ The search directory::
     DIR/timings.jsonl   per point: wall time and host (kept out of points.jsonl: it differs run to run)
     DIR/points/NAME/    each point's run directory (only its summary.json with --summary-only)
     DIR/search.html     the search page
+    DIR/search.key      what the search is (scenario, grid, overrides, load, prices, targets): ``--resume`` runs
+                        only the points a search with the same key has not finished
 
 A point runs in a ``.partial`` folder renamed when it finishes, so an interrupted search leaves only whole points.
 On Ray, a task writes into its node's temp folder and ships the files back: nodes need not share a disk.
@@ -16,6 +18,7 @@ On Ray, a task writes into its node's temp folder and ships the files back: node
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -41,7 +44,8 @@ SEARCH = "search.json"
 TIMINGS = "timings.jsonl"
 POINT_DIRS = "points"
 PARTIAL = ".partial"
-OUTPUTS = (POINTS, SEARCH, TIMINGS, "search.html")
+KEY = "search.key"
+OUTPUTS = (POINTS, SEARCH, TIMINGS, "search.html", KEY)
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,14 @@ class SearchSpec:
     trace_speed: float = 1.0
     slo: str | None = None
     record_itl: bool = True
+    resume: bool = False
+
+    def key(self) -> str:
+        """What makes two searches the same search (not how they run: jobs, Ray, the output folder)."""
+        what = {"data": self.data, "grid": self.grid, "set": self.overrides, "targets": [t.text for t in self.targets],
+                "prices": self.prices.as_json(), "summary_only": self.summary_only, "trace": repr(self.trace),
+                "trace_speed": self.trace_speed, "slo": self.slo, "record_itl": self.record_itl}
+        return hashlib.sha256(_dumps(what).encode()).hexdigest()
 
 
 def run_point(task: PointTask) -> dict[str, Any]:
@@ -170,14 +182,30 @@ def _point_text(point: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in point.items())
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if (out / POINTS).exists() and not overwrite:
-        raise InputError(f"{str(out)!r} already holds a search: choose another --out (or --overwrite)")
+def _prepare_out(spec: SearchSpec, tasks: Sequence[PointTask]) -> list[dict[str, Any]]:
+    """An empty search directory (its key written first), or with ``--resume`` the rows of the points the same
+    search already finished (their run directories whole), which are then not run again."""
+    out = spec.out
+    if spec.resume and (out / POINTS).exists():
+        held = (out / KEY).read_text().strip() if (out / KEY).exists() else None
+        if held != spec.key():
+            raise InputError(f"--resume: {str(out)!r} holds a different search (scenario, grid, --set, load, "
+                             "--price or --target differ): resume with the same command, or choose another --out")
+        by_index = {t.index: t for t in tasks}
+        done = [r for r in read_jsonl(out / POINTS)
+                if r.get("index") in by_index and Path(by_index[r["index"]].dest).is_dir()]
+        for p in (out / POINT_DIRS).glob("*" + PARTIAL):
+            shutil.rmtree(p, ignore_errors=True)
+        return sorted({r["index"]: r for r in done}.values(), key=lambda r: r["index"])
+    if (out / POINTS).exists() and not spec.overwrite:
+        raise InputError(f"{str(out)!r} already holds a search: choose another --out (or --overwrite, --resume)")
     out.mkdir(parents=True, exist_ok=True)
     for name in OUTPUTS:
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / POINT_DIRS, ignore_errors=True)
     (out / POINT_DIRS).mkdir()
+    (out / KEY).write_text(spec.key() + "\n")
+    return []
 
 
 # ---------------------------------------------------------------- executors: each yields results as they finish
@@ -256,11 +284,13 @@ def run_search(spec: SearchSpec, progress: ProgressFn | None = None) -> dict[str
     tasks, costs = prepare(spec)
     if spec.ray is not None:
         _check_ray(spec.ray)
-    _prepare_out(spec.out, spec.overwrite)
-    rows: list[dict[str, Any]] = []
+    rows = _prepare_out(spec, tasks)
+    finished = {r["index"] for r in rows}
+    if rows:  # the file is rewritten with only the kept rows; new ones are appended as they finish
+        (spec.out / POINTS).write_text("".join(_dumps(r) + "\n" for r in rows))
     interrupted = False
     wall0 = time.perf_counter()
-    results = _results(spec, tasks)
+    results = _results(spec, [t for t in tasks if t.index not in finished])
     try:
         with open(spec.out / POINTS, "a", encoding="utf-8") as pf, open(spec.out / TIMINGS, "a") as tf:
             for res in results:
