@@ -84,41 +84,68 @@ def case(name: str, overrides: dict[str, Any], concurrency: int, requests: int, 
             "mb_written": size / 1e6}
 
 
-def cli_case(requests: int, itl: bool, concurrency: int = 32, remote: bool = True) -> dict[str, Any]:
-    """``kvcap sim`` end to end in a fresh process: its wall time, peak RSS (the child's own, from wait4), and
-    run-directory size per file."""
+PROBE = """
+import os, resource, sys, time
+import kvcap.sim.run as run
+from kvcap.cli import main
+inner = run.build_summary
+def probe(*a, **k):
+    print(f"probe {time.monotonic():.4f} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr)
+    if os.environ.get("SIM_SPEED_STOP_AT_SUMMARY"):
+        os._exit(0)
+    return inner(*a, **k)
+run.build_summary = probe
+sys.exit(main(sys.argv[1:]))
+"""
+"""``kvcap sim`` with one probe: the time and peak RSS when the summary starts, i.e. the simulator's part (simulate
+and write the run directory) apart from the analysis."""
+
+
+def cli_case(requests: int, itl: bool, concurrency: int = 32, remote: bool = True,
+             stop_at_summary: bool = False) -> dict[str, Any]:
+    """``kvcap sim`` end to end in a fresh process: its wall time, peak RSS (the child's own, from wait4), the same
+    two at the moment the summary starts (the simulator's part), and run-directory size per file."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "kvcap", "sim", str(ROOT / "scenarios" / "seed-reference.yaml"),
+        cmd = [sys.executable, "-c", PROBE, "sim", str(ROOT / "scenarios" / "seed-reference.yaml"),
                "--concurrency", str(concurrency), "--requests", str(requests), "--warmup", "0s", "--repeats", "1",
                "--quiet", "--out", str(out)]
         if remote:
             cmd[5:5] = ["--set", "serving.kv_offload=remote"]
         if not itl:
             cmd.append("--no-itl")
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=os.environ | {"PYTHONPATH": str(ROOT)})
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                env=os.environ | {"PYTHONPATH": str(ROOT)}
+                                | ({"SIM_SPEED_STOP_AT_SUMMARY": "1"} if stop_at_summary else {}))
+        assert proc.stderr is not None
+        err = proc.stderr.read().decode()
         _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
+        wall = time.monotonic() - t0
         if status != 0:
-            raise SystemExit(f"kvcap sim failed ({status}): {' '.join(cmd)}")
+            raise SystemExit(f"kvcap sim failed ({status}): {' '.join(cmd)}\n{err}")
+        probe = next(line.split() for line in err.splitlines() if line.startswith("probe "))
         sizes = {f.name: f.stat().st_size / 1e6 for f in out.iterdir()}
-        summary = __import__("json").loads((out / "summary.json").read_text())
-    engine = summary["sim"]["engine_wall_s"]
+        levels = [__import__("json").loads(line) for line in (out / "levels.jsonl").read_text().splitlines()]
+    engine = sum(lv["sim"]["wall_s"] for lv in levels)
+    simulated = sum(lv["sim"]["simulated_s"] for lv in levels)
     return {"case": f"CLI c={concurrency}{' remote' if remote else ''}{'' if itl else ' --no-itl'}",
             "requests": requests, "wall_s": wall, "engine_s": engine, "rss_mb": usage.ru_maxrss / 1024,
+            "to_summary_s": float(probe[1]) - t0, "rss_to_summary_mb": int(probe[2]) / 1024,
             "req_mb": sizes.get("requests.jsonl", 0.0), "tel_mb": sizes.get("telemetry.jsonl", 0.0),
-            "realtime": summary["sim"]["simulated_s"] / wall}
+            "realtime": simulated / wall}
 
 
-def cli_table(sizes: list[int]) -> None:
-    rows = [cli_case(n, itl) for n in sizes for itl in (True, False)]
-    print(f"{'case':36} {'requests':>9} {'wall s':>7} {'engine s':>8} {'rest s':>7} {'peak MiB':>9} "
-          f"{'req MB':>7} {'tel MB':>7} {'× real':>7}")
+def cli_table(sizes: list[int], itl_cases: tuple[bool, ...] = (True, False), stop_at_summary: bool = False) -> None:
+    rows = [cli_case(n, itl, stop_at_summary=stop_at_summary) for n in sizes for itl in itl_cases]
+    print(f"{'case':36} {'requests':>9} {'wall s':>7} {'engine s':>8} {'to sum s':>8} {'rest s':>7} "
+          f"{'MiB@sum':>8} {'peak MiB':>9} {'req MB':>7} {'tel MB':>7} {'× real':>7}")
     for r in rows:
         print(f"{r['case']:36} {r['requests']:>9,} {r['wall_s']:>7.2f} {r['engine_s']:>8.2f} "
-              f"{r['wall_s'] - r['engine_s']:>7.2f} {r['rss_mb']:>9.0f} {r['req_mb']:>7.1f} {r['tel_mb']:>7.1f} "
-              f"{r['realtime']:>7,.0f}")
+              f"{r['to_summary_s']:>8.2f} {r['wall_s'] - r['to_summary_s']:>7.2f} {r['rss_to_summary_mb']:>8.0f} "
+              f"{r['rss_mb']:>9.0f} {r['req_mb']:>7.1f} {r['tel_mb']:>7.1f} {r['realtime']:>7,.0f}")
+    print("to sum s / MiB@sum: from the start to the summary (process start, simulate, write the run directory) and\n"
+          "the peak RSS by then; rest s: the analysis (build_summary) and printing.")
     print("goal (issue 14): 100,000 requests, ITLs kept, c=32 remote: ≤ 10 s wall, ≤ 500 MB peak RSS\n")
 
 
@@ -130,10 +157,15 @@ def main() -> None:
     ap.add_argument("--cli-sizes", default="10000,100000",
                     help="request counts for the whole-command runs (comma-separated; empty: skip them)")
     ap.add_argument("--cli-only", action="store_true", help="only the whole-command runs")
+    ap.add_argument("--cli-itl", choices=("both", "kept", "no-itl"), default="both",
+                    help="whole-command runs with ITLs kept, with --no-itl, or both (default)")
+    ap.add_argument("--cli-stop-at-summary", action="store_true",
+                    help="end each whole-command run where the summary starts (the simulator's part only)")
     a = ap.parse_args()
     sizes = [int(x) for x in a.cli_sizes.split(",") if x.strip()]
     if sizes:
-        cli_table(sizes)
+        cli_table(sizes, {"both": (True, False), "kept": (True,), "no-itl": (False,)}[a.cli_itl],
+                  a.cli_stop_at_summary)
     if a.cli_only:
         return
     rows = [

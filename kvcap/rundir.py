@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, TypedDict
@@ -143,17 +144,48 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False, default=str)
 
 
-class RunWriter:
-    """Appends records as they finish; writes manifest and summary atomically."""
+def _plain(obj: Any) -> Any:
+    """What JSON cannot hold as is: a numpy array (or scalar) as its list (number), anything else as text."""
+    tolist = getattr(obj, "tolist", None)
+    return tolist() if tolist is not None else str(obj)
 
-    def __init__(self, out: str | Path, overwrite: bool = False, append: bool = False):
+
+try:  # a core dependency, but keep working without it
+    import orjson
+
+    _LINE_OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
+
+    def _line(obj: Any) -> bytes:
+        """One JSONL line, compact; numpy arrays (a record's ITLs) go in as they are, never as Python lists."""
+        return orjson.dumps(obj, default=_plain, option=_LINE_OPTS)
+
+    _loads: Any = orjson.loads
+    _LOAD_ERRORS: tuple[type[Exception], ...] = (orjson.JSONDecodeError, json.JSONDecodeError)
+except ImportError:  # pragma: no cover - depends on the environment
+    def _line(obj: Any) -> bytes:
+        return (json.dumps(obj, separators=(",", ":"), allow_nan=False, default=_plain) + "\n").encode()
+
+    _loads = json.loads
+    _LOAD_ERRORS = (json.JSONDecodeError,)
+
+
+class RunWriter:
+    """Appends records as they finish; writes manifest and summary atomically.
+
+    ``flush_s``: how long appended lines may sit in the buffer (0: flushed line by line, what a live ``bench``
+    wants; ``sim`` writes far faster than a disk flush per line, so it flushes at most this often — a killed
+    run loses at most that much wall time of records)."""
+
+    def __init__(self, out: str | Path, overwrite: bool = False, append: bool = False, flush_s: float = 0.0):
         self.dir = Path(out)
         self.check_destination(self.dir, overwrite, append)
         if not append:
             for name in (MANIFEST, REQUESTS, LEVELS, TELEMETRY, SUMMARY):
                 (self.dir / name).unlink(missing_ok=True)
-        self._files: dict[str, IO[str]] = {}
+        self._files: dict[str, IO[bytes]] = {}
         self.records = 0
+        self.flush_s = flush_s
+        self._flushed = time.monotonic()
 
     @staticmethod
     def check_destination(out: Path, overwrite: bool = False, append: bool = False) -> None:
@@ -162,31 +194,49 @@ class RunWriter:
             raise InputError(f"{str(out)!r} already holds a run: choose another --out (or --overwrite)")
         out.mkdir(parents=True, exist_ok=True)
 
-    def _file(self, name: str) -> IO[str]:
+    def _file(self, name: str) -> IO[bytes]:
         f = self._files.get(name)
         if f is None:
-            f = open(self.dir / name, "a", encoding="utf-8")  # noqa: SIM115 - kept open for appends
+            f = open(self.dir / name, "ab", buffering=1 << 20)  # noqa: SIM115 - kept open for appends
             self._files[name] = f
         return f
 
+    def _flush(self, f: IO[bytes]) -> None:
+        if not self.flush_s:
+            f.flush()
+            return
+        now = time.monotonic()
+        if now - self._flushed >= self.flush_s:
+            self._flushed = now
+            for g in self._files.values():
+                g.flush()
+
     def _append(self, name: str, obj: dict[str, Any]) -> None:
         f = self._file(name)
-        f.write(_dumps(obj) + "\n")
-        f.flush()
+        f.write(_line(obj))
+        self._flush(f)
 
     def record(self, rec: RequestRecord) -> None:
         self._append(REQUESTS, rec)
         self.records += 1
 
     def level(self, info: dict[str, Any]) -> None:
-        self._append(LEVELS, info)
+        f = self._file(LEVELS)
+        f.write(_line(info))
+        self.flush()
 
     def telemetry(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
         f = self._file(TELEMETRY)
-        f.write("".join(_dumps(r) + "\n" for r in rows))
-        f.flush()
+        f.write(b"".join(map(_line, rows)))
+        self._flush(f)
+
+    def flush(self) -> None:
+        """Everything appended so far on disk (at a level's end, whatever ``flush_s``)."""
+        self._flushed = time.monotonic()
+        for f in self._files.values():
+            f.flush()
 
     def manifest(self, data: Manifest) -> None:
         write_json_atomic(self.dir / MANIFEST, data.to_json())
@@ -204,16 +254,6 @@ def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")
     os.replace(tmp, path)
-
-
-try:  # a core dependency, but keep working without it
-    import orjson
-
-    _loads: Any = orjson.loads
-    _LOAD_ERRORS: tuple[type[Exception], ...] = (orjson.JSONDecodeError, json.JSONDecodeError)
-except ImportError:  # pragma: no cover - depends on the environment
-    _loads = json.loads
-    _LOAD_ERRORS = (json.JSONDecodeError,)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """From records to judgement: the article's method, applied the same way to every source of numbers.
 
-A run directory from ``bench`` or ``sim`` holds what happened; this package decides what it means — per-level
-statistics and goodput (`stats`), server telemetry aligned with the level windows (`telemetry`), the SLO
+A run directory from ``bench`` or ``sim`` holds what happened; this package decides what it means — its records
+streamed into per-level numpy columns (`columns`; percentiles in `quantiles`), per-level statistics and goodput
+(`stats`), server telemetry aligned with the level windows (`telemetry`), the SLO
 (`slo`), the three conditions and the effective / resident / stress-limit capacities (`capacity`), the
 ``summary.json`` of one run (`summary`), what bounds it and which way to scale (`diagnosis`), and the A/B
 verdict with its noise (`verdict`). A table someone publishes is judged by the same rules: `table` reads it,

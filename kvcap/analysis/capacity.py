@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcap.analysis.columns import LevelArrays
+
 MIN_SCALING = 0.10
 """Condition (a): the throughput gain must be at least 10% of the proportional gain (concurrency ×2 → +10%)."""
 DEFAULT_ERROR_LIMIT = 0.01
@@ -30,10 +32,11 @@ def trend(t: np.ndarray, y: np.ndarray) -> dict[str, float] | None:
     return {"slope": slope, "lower95": slope - 1.645 * se, "span_s": float(np.ptp(t))}
 
 
-def stationarity(records: list[dict[str, Any]], window: tuple[float, float] | None,
+def stationarity(records: LevelArrays | list[dict[str, Any]], window: tuple[float, float] | None,
                  waiting: list[tuple[float, float]] | None = None) -> dict[str, Any]:
     """Is latency (or the server's queue) growing within the measured window?"""
-    meas = [r for r in records if r.get("phase", "measure") == "measure" and r.get("ttft_ms") is not None]
+    a = records if isinstance(records, LevelArrays) else LevelArrays(records)
+    meas = a.measured & ~np.isnan(a.ttft)
     out: dict[str, Any] = {"source": None, "growing": False}
     if waiting:
         pts = np.asarray([(t, v) for t, v in waiting if window is None or window[0] <= t <= window[1]], float)
@@ -44,9 +47,8 @@ def stationarity(records: list[dict[str, Any]], window: tuple[float, float] | No
                 out.update(source="telemetry:server.requests_waiting", **tr, growth=growth,
                            growing=tr["lower95"] > 0 and growth >= 1.0)
                 return out
-    if len(meas) >= 8:
-        t = np.asarray([r["start_s"] for r in meas], float)
-        y = np.asarray([r["ttft_ms"] for r in meas], float)
+    if np.count_nonzero(meas) >= 8:
+        t, y = a.start[meas], a.ttft[meas]
         tr = trend(t, y)
         if tr is not None:
             growth = tr["slope"] * tr["span_s"]

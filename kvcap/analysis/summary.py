@@ -11,17 +11,18 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
+from kvcap.analysis.columns import LevelArrays, Reader, read_columns
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
-from kvcap.analysis.stats import check_slo, level_key, summarize_level
+from kvcap.analysis.stats import check_slo, summarize_level
 from kvcap.analysis.telemetry import add, dedupe_sources, imbalance, node_figures, nodes, series, servers, within
-from kvcap.rundir import RunDir
+from kvcap.rundir import REQUESTS, RunDir
 from kvcap.specs.load import LIMIT_RULE
 
 
-def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str, Any]:
+def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Reader | None = None) -> dict[str, Any]:
+    """``reader``: how records become per-level columns (default: streamed from ``requests.jsonl``)."""
     slo = slo if slo is not None else (run.manifest.get("slo") or {})
-    records = run.records()
     telemetry = dedupe_sources(run.telemetry())
     running, waiting = series(telemetry, "server.requests_running"), series(telemetry, "server.requests_waiting")
     parked = series(telemetry, "server.requests_parked")
@@ -33,26 +34,20 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None) -> dict[str,
     net_rx, net_tx = series(telemetry, "net.rx_bytes_s"), series(telemetry, "net.tx_bytes_s")
     node_names = nodes(telemetry)
     n_servers = servers(telemetry)
-    by_level: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        by_level[level_key(r)].append(r)
     infos: dict[tuple[str, float], dict[int, dict[str, Any]]] = defaultdict(dict)
     for info in run.levels():
         infos[(str(info["mode"]), float(info["level"]))][int(info.get("repeat", 0))] = info
+    known = {key: {k: (reps[k]["measure_start_s"], reps[k]["measure_end_s"]) for k in sorted(reps)}
+             for key, reps in infos.items()}
+    by_level = (reader or read_columns)(run.dir / REQUESTS, known)
     levels: list[dict[str, Any]] = []
     extra: dict[str, dict[float, dict[str, Any]]] = defaultdict(dict)
     for key in sorted(set(by_level) | set(infos), key=lambda k: (k[0], k[1])):
         mode, level = key
-        recs = by_level.get(key, [])
+        recs = by_level.get(key) or LevelArrays()
         reps = infos.get(key, {})
-        if reps:
-            windows = {k: (reps[k]["measure_start_s"], reps[k]["measure_end_s"]) for k in sorted(reps)}
-        else:  # no level lines (e.g. a killed run): the span of its measured requests, per repeat
-            windows = {}
-            for rep in sorted({int(r.get("repeat", 0)) for r in recs}):
-                starts = [r["start_s"] for r in recs if r.get("phase") == "measure" and int(r.get("repeat", 0)) == rep]
-                if starts:
-                    windows[rep] = (min(starts), max(starts) + 1e-9)
+        # no level lines (e.g. a killed run): the span of its measured requests, per repeat
+        windows = known[key] if reps else recs.own_windows()
         stats = summarize_level(recs, windows, slo=slo)
         failed = check_slo(stats, slo) if slo else []
         value = int(level) if level.is_integer() else level

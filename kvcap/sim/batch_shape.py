@@ -62,6 +62,17 @@ class BatchShape:
             shape.decode_window_tokens = sum(min(c, window) for c in contexts)
         return shape
 
+    @classmethod
+    def decode_only(cls, contexts: list[int], window: int | None = None) -> BatchShape:
+        """``of(decode=contexts, window=window)`` for a pure-decode step (every decode span prices one), without
+        the per-sequence conversions; ``contexts`` are ints already."""
+        shape = cls(n_decode=len(contexts), decode_context_tokens=sum(contexts))
+        if window:
+            shape.prefill_window_context_tokens = 0
+            shape.prefill_window_attn_pairs = 0.0
+            shape.decode_window_tokens = sum(min(c, window) for c in contexts)
+        return shape
+
     @property
     def n_tokens(self) -> int:
         return self.n_prefill_tokens + self.n_decode

@@ -103,6 +103,10 @@ def _empty() -> IterationCost:
 # --------------------------------------------------------------------------------------------- cost model
 
 
+LINEAR_CACHE = 1 << 16
+"""Most (tokens, rows) pairs a cost model remembers the step terms of (a run meets a few thousand)."""
+
+
 class CostModel:
     """Everything about (model, GPU, tp, dtypes, calibration) precomputed; :meth:`iteration_time` is cheap.
 
@@ -110,8 +114,8 @@ class CostModel:
     batch totals by constants and takes a handful of ``max``es.
     """
 
-    __slots__ = ("_attn", "_comm", "_elem", "_gemm", "_head", "_moe", "_raw", "act_bytes", "calib", "gpu",
-                 "kv_element_bytes", "link", "model", "tp", "weights_dtype")
+    __slots__ = ("_attn", "_comm", "_elem", "_gemm", "_head", "_linear", "_moe", "_raw", "act_bytes", "calib",
+                 "gpu", "kv_element_bytes", "link", "model", "tp", "weights_dtype")
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, *, tp: int = 1, weights_dtype: str = "bf16",
                  kv_dtype: str = "auto", act_bytes: float = 2.0, calib: Calibration | None = None,
@@ -136,6 +140,8 @@ class CostModel:
         self._attn = _attention_terms(shape, rates, calib)
         self._raw = _attention_totals(shape)
         self._comm = _all_reduce_terms(model, tp, act_bytes, self.link, calib)
+        self._linear: dict[tuple[int, int], tuple[float, ...]] = {}
+        """(tokens, sampled rows) → the step's terms that depend on nothing else (:meth:`_linear_terms`)."""
 
     # ------------------------------------------------------------------------------------------------ calls
 
@@ -144,37 +150,13 @@ class CostModel:
         t = batch.n_prefill_tokens + batch.n_decode
         if t <= 0:
             return _empty()
-        tile = self.calib.gemm_token_tile
-        tt = t if t <= tile else -(-t // tile) * tile  # compute side: whole GEMM tiles past the first
-        gemm = compute = memory = flops = wbytes = abytes = 0.0
-        for fc, wm, am, oc, f, w, a in self._gemm:
-            dg, dc, dm = roofline(fc * tt, wm + am * t, oc)
-            gemm, compute, memory = gemm + dg, compute + dc, memory + dm
-            flops += f * t
-            wbytes += w
-            abytes += a * t
-        if self._moe is not None:
-            fc, wm, n_exp, idle, am, oc, f, w, a = self._moe
-            touched = n_exp * (1.0 - idle ** t)  # expected distinct experts hit by t tokens
-            dg, dc, dm = roofline(fc * t, wm * touched + am * t, oc)
-            gemm, compute, memory = gemm + dg, compute + dc, memory + dm
-            flops += f * t
-            wbytes += w * touched
-            abytes += a * t
         s = batch.n_decode + batch.n_prefill_seqs
-        fc, wm, am, oc, f, w, a = self._head
-        dg, dc, dm = roofline(fc * (s if s <= tile else -(-s // tile) * tile), wm + am * s, oc)
-        gemm, compute, memory = gemm + dg, compute + dc, memory + dm
-        flops += f * s
-        wbytes += w
-        abytes += a * s
-
-        elem = 0.0
-        for sec, floor, n, b in self._elem:
-            x = sec * t
-            elem += n * (x if x > floor else floor)
-            abytes += b * t
-        memory += elem
+        terms = self._linear.get((t, s))
+        if terms is None:
+            terms = self._linear_terms(t, s)
+            if len(self._linear) < LINEAR_CACHE:
+                self._linear[(t, s)] = terms
+        gemm, compute, memory, flops, wbytes, abytes, elem = terms
 
         fpair, fkv, ftok, spair, skv, stok, state, attn_oc = self._attn
         raw = self._raw
@@ -213,6 +195,43 @@ class CostModel:
         return IterationCost(gemm + attn + elem + comm + overhead, gemm, attn, elem, comm, overhead, compute,
                              memory, flops, wbytes, kv_read, kv_write, abytes + raw[5] * t, comm_b * t,
                              "compute" if compute > memory else "memory")
+
+    def _linear_terms(self, t: int, s: int) -> tuple[float, ...]:
+        """(GEMM s, compute s, memory s, FLOPs, weight B, activation B, elementwise s) of a step over ``t`` tokens
+        and ``s`` sampled rows: everything but attention and communication, which depend only on these two
+        counts — so a run's steps share them (cached per model) and pay only for their attention."""
+        tile = self.calib.gemm_token_tile
+        tt = t if t <= tile else -(-t // tile) * tile  # compute side: whole GEMM tiles past the first
+        gemm = compute = memory = flops = wbytes = abytes = 0.0
+        for fc, wm, am, oc, f, w, a in self._gemm:
+            dg, dc, dm = roofline(fc * tt, wm + am * t, oc)
+            gemm, compute, memory = gemm + dg, compute + dc, memory + dm
+            flops += f * t
+            wbytes += w
+            abytes += a * t
+        if self._moe is not None:
+            fc, wm, n_exp, idle, am, oc, f, w, a = self._moe
+            touched = n_exp * (1.0 - idle ** t)  # expected distinct experts hit by t tokens
+            dg, dc, dm = roofline(fc * t, wm * touched + am * t, oc)
+            gemm, compute, memory = gemm + dg, compute + dc, memory + dm
+            flops += f * t
+            wbytes += w * touched
+            abytes += a * t
+        fc, wm, am, oc, f, w, a = self._head
+        dg, dc, dm = roofline(fc * (s if s <= tile else -(-s // tile) * tile), wm + am * s, oc)
+        gemm, compute, memory = gemm + dg, compute + dc, memory + dm
+        flops += f * s
+        wbytes += w
+        abytes += a * s
+
+        elem = 0.0
+        for sec, floor, n, b in self._elem:
+            x = sec * t
+            elem += n * (x if x > floor else floor)
+            abytes += b * t
+        memory += elem
+
+        return gemm, compute, memory, flops, wbytes, abytes, elem
 
     def decode_steps_time(self, batch: BatchShape, steps: int) -> float:
         """Total seconds of ``steps`` successive pure-decode iterations, every context growing by one per step.

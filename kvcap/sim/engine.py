@@ -13,7 +13,7 @@ are skipped), ``arrival`` (route and enqueue), ``link`` (the next transfer's byt
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcap.sim.kv import Tier
@@ -48,6 +48,10 @@ class Simulation:
         self.max_span: int | None = None
         """Longest decode span in steps (1 when serving in real time, so every token is an event)."""
         self.on_tokens: Callable[[SimRequest], None] | None = None
+        self._feed_keys: list[float] = []
+        self._feed_order: list[int] = []
+        self._feed_pos = 0
+        self._feed_make: Callable[[int], SimRequest] | None = None
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: str, obj: Any, version: int = 0) -> None:
@@ -71,12 +75,45 @@ class Simulation:
         """``req`` arrives at ``t`` (its latencies count from there) and is queued after the front end's time."""
         self.push(t + self.request_overhead_s, "arrival", req)
 
+    def feed(self, arrivals: Sequence[float], make: Callable[[int], SimRequest]) -> None:
+        """A whole schedule of arrivals (open loop, trace), each request built only when it arrives: ``make(i)``
+        is the request arriving at ``arrivals[i]``. Events come in exactly the order ``submit`` of each, in
+        schedule order and before anything else, would give them (at equal times arrivals first, in schedule
+        order), but a million-request schedule holds no million requests."""
+        o = self.request_overhead_s
+        keys = [t + o for t in arrivals]
+        self._feed_order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: ties in schedule order
+        self._feed_keys = [keys[i] for i in self._feed_order]
+        self._feed_pos = 0
+        self._feed_make = make
+
+    @property
+    def pending(self) -> bool:
+        """Events still to come (the heap's, or arrivals not yet fed)."""
+        return bool(self.heap) or self._feed_pos < len(self._feed_keys)
+
+    def unfed(self) -> list[SimRequest]:
+        """The fed schedule's requests that never arrived (built now, e.g. to be recorded as cancelled)."""
+        make, rest = self._feed_make, self._feed_order[self._feed_pos:]
+        self._feed_pos = len(self._feed_keys)
+        return [make(i) for i in rest] if make is not None else []
+
     def run_until(self, t_end: float, stop: Callable[[], bool] | None = None,
                   on_time: Callable[[float], None] | None = None) -> None:
         """Process events in time order up to ``t_end`` (``on_time`` sees the clock before each event)."""
         heap = self.heap
-        while heap and heap[0][0] <= t_end:
-            t, _, kind, obj, version = heapq.heappop(heap)
+        keys, n_fed = self._feed_keys, len(self._feed_keys)
+        while True:
+            if self._feed_pos < n_fed and keys[self._feed_pos] <= t_end and (
+                    not heap or keys[self._feed_pos] <= heap[0][0]):
+                t = keys[self._feed_pos]
+                req = self._feed_make(self._feed_order[self._feed_pos])  # type: ignore[misc]
+                self._feed_pos += 1
+                kind, obj, version = "arrival", req, 0
+            elif heap and heap[0][0] <= t_end:
+                t, _, kind, obj, version = heapq.heappop(heap)
+            else:
+                return
             if on_time is not None:
                 on_time(t)
             self.now = t

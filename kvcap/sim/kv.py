@@ -100,9 +100,18 @@ class BlockPool:
     def reserve_decode_steps(self, decoders: list[SimRequest], k: int, reserved: dict[int, int]) -> int:
         """Most decode steps (≤ k, ≥ 1) for which every decoder gets its blocks; reserves them."""
         free = self.free()
+        bf, hb = self.blocks_for, self.hash_blocks
+        # a decoder's blocks still to take for T tokens: max(0, private_need) = max(0, blocks_for(T) − held),
+        # held = its private blocks plus its shared prefix blocks (the same integers, without a call per step)
+        held = [(r.kv, r.blocks + len(r.shared) * hb if r.shared else r.blocks) for r in decoders]
 
         def extra(steps: int) -> int:
-            return sum(max(0, self.private_need(r, r.kv + steps)) for r in decoders)
+            total = 0
+            for kv, h in held:
+                more = bf(kv + steps) - h
+                if more > 0:
+                    total += more
+            return total
 
         if k > 1 and extra(k) > free:
             lo, hi = 1, k
@@ -113,9 +122,9 @@ class BlockPool:
                 else:
                     hi = mid - 1
             k = lo
-        for r in decoders:
-            more = max(0, self.private_need(r, r.kv + k))
-            if more:
+        for r, (kv, h) in zip(decoders, held):
+            more = bf(kv + k) - h
+            if more > 0:
                 self.take(more)
                 r.blocks += more
                 reserved[r.rid] = reserved.get(r.rid, 0) + more

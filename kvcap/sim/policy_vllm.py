@@ -121,7 +121,7 @@ class VllmPolicy:
             if lost:
                 continue  # req itself was preempted: the list shifted, index i is already the next one
             req.blocks += need
-            reserved[req.rid] = max(need, 0)
+            reserved[req.rid] = need  # ≥ 0 on both paths above
             budget -= chunk
             if chunk == 1 and req.out:
                 decoders.append(req)

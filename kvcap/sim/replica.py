@@ -203,8 +203,8 @@ class Replica:
             if self.sim.max_span is not None:
                 k = min(k, self.sim.max_span)
             k = self.hbm.reserve_decode_steps(decoders, k, reserved)
-            shape = BatchShape.of(decode=[r.kv for r in decoders], window=window)
-            ends = now + np.cumsum(cost.decode_step_times(shape, k))
+            ends = cost.decode_step_times(BatchShape.decode_only([r.kv for r in decoders], window), k).cumsum()
+            ends += now
         self.span = Span(t0=now, ends=ends, decoders=decoders, prefills=prefills, reserved=reserved)
         self.version += 1
         self.sim.push(float(ends[-1]), "step", self, self.version)
@@ -230,15 +230,16 @@ class Replica:
     def _emit_tokens(self, span: Span, now: float) -> list[SimRequest]:
         """Credit the span's tokens: decoders get one per step; a prefill that reached its target samples its
         next token. Returns the requests whose prefill (or recomputation) completed."""
-        k = span.ends.size
+        ends = span.ends
+        k = ends.size
+        t = float(ends[-1])
         on_tokens = self.sim.on_tokens
-        gen = 0
+        gen = k * len(span.decoders)
         for req in span.decoders:
             req.kv += k
             req.out += k
-            req.chunks.append(span.ends if k > 1 else float(span.ends[0]))
-            req.t_last = float(span.ends[-1])
-            gen += k
+            req.chunks.append(ends)
+            req.t_last = t
             if on_tokens is not None:
                 on_tokens(req)
         completed: list[SimRequest] = []
@@ -249,11 +250,10 @@ class Replica:
                 completed.append(req)
                 req.out += 1
                 gen += 1
-                t = float(span.ends[-1])
                 if req.t_first is None:
                     req.t_first = t
                     self._register_prefix(req, now)
-                req.chunks.append(t)
+                req.chunks.append(ends)  # a step with prefills is one step: its end is the token's time
                 req.t_last = t
                 if on_tokens is not None:
                     on_tokens(req)

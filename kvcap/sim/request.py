@@ -37,8 +37,9 @@ class SimRequest:
     t_sched: float | None = None
     t_first: float | None = None
     t_last: float | None = None
-    chunks: list[Any] = field(default_factory=list)
-    """Token times: floats (single steps) and numpy vectors (decode spans), in order."""
+    chunks: list[np.ndarray] = field(default_factory=list)
+    """Token times, in order: each step's or decode span's vector of step ends (shared by its batch, never
+    copied per request; one step is a vector of one)."""
     preemptions: int = 0
     recomputed: int = 0
     t_parked: float = 0.0
@@ -60,16 +61,7 @@ class SimRequest:
 
     def token_times(self) -> np.ndarray:
         """Every output token's time, in order, as one vector."""
-        parts: list[np.ndarray] = []
-        singles: list[float] = []
-        for c in self.chunks:
-            if type(c) is float:
-                singles.append(c)
-                continue
-            if singles:
-                parts.append(np.array(singles))
-                singles = []
-            parts.append(c)
-        if singles:
-            parts.append(np.array(singles))
-        return np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.zeros(0))
+        chunks = self.chunks
+        if len(chunks) > 1:
+            return np.concatenate(chunks)
+        return chunks[0] if chunks else np.zeros(0)

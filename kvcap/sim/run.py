@@ -38,6 +38,8 @@ from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 SAMPLE_S = 1.0
 LEVEL_GAP_S = 1.0
 MAX_EVENTS = 50_000_000
+FLUSH_S = 0.5
+"""Records and telemetry reach the disk at least this often (wall seconds) and at each level's end."""
 
 
 @dataclass
@@ -104,8 +106,9 @@ def _ms(t_s: float | None) -> float | None:
     return None if t_s is None else round(t_s * 1e3, 3)
 
 
-def record_of(req: SimRequest, offset: float, record_itl: bool = True) -> RequestRecord:
-    """A finished simulated request as a ``rundir.RequestRecord`` (times in ms from its arrival)."""
+def record_of(req: SimRequest, offset: float, record_itl: bool = True, itl_array: bool = False) -> RequestRecord:
+    """A finished simulated request as a ``rundir.RequestRecord`` (times in ms from its arrival). ``itl_array``:
+    the ITLs stay one numpy vector (``RunWriter`` serialises it as is) instead of a list of Python floats."""
     tags = req.tags
     rec: RequestRecord = {"mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"],  # type: ignore[typeddict-item]
                           "phase": tags["phase"], "worker": 0, "index": req.rid,
@@ -119,18 +122,18 @@ def record_of(req: SimRequest, offset: float, record_itl: bool = True) -> Reques
                     "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "queue_ms": queue_ms,
                     "finish_reason": None, "truncated": False, "early_stop": False, "retries": 0, "group": None})
         return rec
-    times = req.token_times()
+    last = float(req.chunks[-1][-1])  # the last token's time (no need to join every token's for it)
     asked = tags.get(REQUESTED_OUT, req.max_out)  # more than max_out: a full slot context cut it short
     ttft = (req.t_first - req.arrival) * 1e3  # type: ignore[operator]
-    e2e = (float(times[-1]) - req.arrival) * 1e3
+    e2e = (last - req.arrival) * 1e3
     n = req.out
     tpot = tpot_ms(ttft, e2e, n)
     rec.update({
-        "end_s": round(offset + float(times[-1]), 6), "send_delay_ms": 0.0, "ok": True, "error": None, "status": 200,
+        "end_s": round(offset + last, 6), "send_delay_ms": 0.0, "ok": True, "error": None, "status": 200,
         "input_tokens": req.prompt, "output_tokens": n, "requested_output_tokens": asked,
         "tokens_source": "sim", "ttft_ms": round(ttft, 3), "tpot_ms": None if tpot is None else round(tpot, 3),
         "e2e_ms": round(e2e, 3),
-        "itl_ms": np.round(np.diff(times) * 1e3, 3).tolist() if record_itl else [],
+        "itl_ms": _itls(req.token_times(), itl_array) if record_itl else [],
         "queue_ms": queue_ms,
         "finish_reason": "length", "truncated": n < asked, "early_stop": False, "retries": 0, "group": None,
         "replica": req.replica, "preemptions": req.preemptions, "recomputed_tokens": req.recomputed,
@@ -138,6 +141,12 @@ def record_of(req: SimRequest, offset: float, record_itl: bool = True) -> Reques
         "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,
     })
     return rec
+
+
+def _itls(times: np.ndarray, as_array: bool) -> Any:
+    """Gaps between consecutive tokens in ms, rounded to the µs as every record's are."""
+    itl = ((times[1:] - times[:-1]) * 1e3).round(3)  # np.round(np.diff(times) * 1e3, 3), without the wrappers
+    return itl if as_array else itl.tolist()
 
 
 class _Lengths:
@@ -162,15 +171,20 @@ class Sampler:
     Written on change (``thin``): a series' row only when its value differs from its previous sample, marked
     ``hold_s`` (the value holds at each step until that series' next row), plus every series' first and last
     sample of the level (the last without ``hold_s``, so nothing is held across the gap to the next level).
-    ``kvcap.analysis.telemetry.expand_held`` puts the rows back on the grid: readers see the same rows."""
+    ``kvcap.analysis.telemetry.expand_held`` puts the rows back on the grid: readers see the same rows.
+
+    The series (name and labels) are fixed for a level, so they are listed once; a sample is one list of
+    values in that order, and a row (a dict) is built only for a value that is written."""
 
     def __init__(self, sim: Simulation, offset: float, emit: Callable[[list[dict[str, Any]]], None],
                  tiers: tuple[str, ...], thin: bool = True):
         self.sim, self.offset, self.emit, self.thin = sim, offset, emit, thin
-        self._latest: dict[tuple[Any, ...], dict[str, Any]] = {}
-        """Each series' row at the latest sample (thin)."""
-        self._pending: list[dict[str, Any]] = []
-        """The latest sample's changed rows, held back until the next sample shows it was not the level's last."""
+        self._last: list[float] | None = None
+        """The latest sample's values, series by series (thin)."""
+        self._last_ts = 0.0
+        self._pending: list[tuple[float, int, float]] = []
+        """The latest sample's changed values (t_s, series, value), held back until the next sample shows it was
+        not the level's last."""
         self.next_t = 0.0
         self.rows = 0
         self.tiers = tiers
@@ -181,6 +195,64 @@ class Sampler:
         if "remote" in tiers:
             used |= {"nic", "pool"}
         self.links = [link for link in sim.links.links if link.kind in used]
+        self.series = self._series()
+        """(name, labels) of every series, in the order :meth:`_values` gives their values."""
+
+    def _series(self) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        for rep in self.sim.replicas:
+            lab = {"replica": f"r{rep.index}", "node": f"n{rep.cfg.node}"}
+            names = ["server.requests_running", "server.requests_waiting"]
+            names += ["server.requests_parked"] if self.tiers else []
+            names += ["server.kv_usage", "server.preemptions_total", "server.prompt_tokens_total",
+                      "server.generation_tokens_total", "gpu.util"]
+            out += [(name, lab) for name in names]
+        for link in self.links:
+            lab = {"link": link.name, "kind": link.kind}
+            if link.node is not None:
+                lab["node"] = f"n{link.node}"
+            out.append(("link.util", lab))
+            if link.kind == "nic":
+                out += [("net.tx_bytes_s", lab), ("net.rx_bytes_s", lab)]
+        for name, group in self.sim.tiers.items():
+            for i in range(len(group)):
+                out.append(("server.kv_tier_usage", {"tier": name} | ({"node": f"n{i}"} if name == "host" else {})))
+        return out
+
+    def _values(self, t: float) -> list[float]:
+        """Every series' value at ``t`` (counters as rates over the last ``SAMPLE_S``), in ``series`` order."""
+        sim, tiers, first = self.sim, self.tiers, t <= 0
+        values: list[float] = []
+        add = values.append
+        for rep in sim.replicas:
+            add(len(rep.running))
+            add(len(rep.waiting))
+            if tiers:
+                add(len(rep.parked) + rep.moving)
+            add(round(rep.kv_usage(), 5))
+            add(rep.preemptions)
+            add(rep.prompt_tokens)
+            add(rep.generation_tokens)
+            busy = rep.busy_at(t)
+            add(0.0 if first else round(min(1.0, (busy - self._busy[rep.index]) / SAMPLE_S), 5))
+            self._busy[rep.index] = busy
+        if self.links:
+            sim.links.advance(t)
+            for link in self.links:
+                moved, tx = link.moved_bytes - self._moved[id(link)], link.tx_bytes - self._tx[id(link)]
+                self._moved[id(link)], self._tx[id(link)] = link.moved_bytes, link.tx_bytes
+                add(0.0 if first else round(moved / SAMPLE_S / link.nominal_bytes_s, 5))
+                if link.kind == "nic":
+                    add(0.0 if first else round(tx / SAMPLE_S, 1))
+                    add(0.0 if first else round((moved - tx) / SAMPLE_S, 1))
+        for group in sim.tiers.values():
+            for tier in group:
+                add(round(tier.used / tier.capacity, 5) if tier.capacity else 0.0)
+        return values
+
+    def _row(self, ts: float, i: int, value: float) -> dict[str, Any]:
+        name, labels = self.series[i]
+        return {"t_s": ts, "source": "sim", "name": name, "labels": labels, "value": value}
 
     def until(self, t: float) -> None:
         while self.next_t <= t:
@@ -188,64 +260,23 @@ class Sampler:
             self.next_t += SAMPLE_S
 
     def sample(self, t: float) -> None:
-        sim, ts = self.sim, round(self.offset + t, 6)
-        rows: list[dict[str, Any]] = []
-
-        def add(name: str, labels: dict[str, Any], value: float) -> None:
-            rows.append({"t_s": ts, "source": "sim", "name": name, "labels": labels, "value": value})
-
-        for rep in sim.replicas:
-            lab = {"replica": f"r{rep.index}", "node": f"n{rep.cfg.node}"}
-            add("server.requests_running", lab, len(rep.running))
-            add("server.requests_waiting", lab, len(rep.waiting))
-            if self.tiers:
-                add("server.requests_parked", lab, len(rep.parked) + rep.moving)
-            add("server.kv_usage", lab, round(rep.kv_usage(), 5))
-            add("server.preemptions_total", lab, rep.preemptions)
-            add("server.prompt_tokens_total", lab, rep.prompt_tokens)
-            add("server.generation_tokens_total", lab, rep.generation_tokens)
-            busy = rep.busy_at(t)
-            add("gpu.util", lab, round(min(1.0, (busy - self._busy[rep.index]) / SAMPLE_S), 5) if t > 0 else 0.0)
-            self._busy[rep.index] = busy
-        if self.links:
-            sim.links.advance(t)
-            for link in self.links:
-                moved, tx = link.moved_bytes - self._moved[id(link)], link.tx_bytes - self._tx[id(link)]
-                self._moved[id(link)], self._tx[id(link)] = link.moved_bytes, link.tx_bytes
-                lab = {"link": link.name, "kind": link.kind}
-                if link.node is not None:
-                    lab["node"] = f"n{link.node}"
-                add("link.util", lab, round(moved / SAMPLE_S / link.nominal_bytes_s, 5) if t > 0 else 0.0)
-                if link.kind == "nic":
-                    add("net.tx_bytes_s", lab, round(tx / SAMPLE_S, 1) if t > 0 else 0.0)
-                    add("net.rx_bytes_s", lab, round((moved - tx) / SAMPLE_S, 1) if t > 0 else 0.0)
-        for name, group in sim.tiers.items():
-            for i, tier in enumerate(group):
-                lab = {"tier": name} | ({"node": f"n{i}"} if name == "host" else {})
-                add("server.kv_tier_usage", lab, round(tier.used / tier.capacity, 5) if tier.capacity else 0.0)
-        if self.thin:
-            rows = self._changed(rows)
+        ts = round(self.offset + t, 6)
+        values = self._values(t)
+        if not self.thin:
+            rows = [self._row(ts, i, v) for i, v in enumerate(values)]
+        else:  # the previous sample's changed rows (now known to hold); this sample's are kept pending
+            prev = self._last
+            rows = [self._row(pts, i, v) | {HOLD: SAMPLE_S} for pts, i, v in self._pending]
+            self._pending = [(ts, i, v) for i, v in enumerate(values) if prev is None or prev[i] != v]
+            self._last, self._last_ts = values, ts
         self.rows += len(rows)
         self.emit(rows)
 
-    def _changed(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The previous sample's changed rows (now known to hold); this sample's are kept pending."""
-        changed = []
-        for row in rows:
-            key = (row["name"], *row["labels"].values())
-            prev = self._latest.get(key)
-            if prev is None or prev["value"] != row["value"]:
-                changed.append(row)
-            self._latest[key] = row
-        out, self._pending = self._pending, changed
-        for row in out:
-            row[HOLD] = SAMPLE_S
-        return out
-
     def finish(self) -> None:
         """The level's last sample of every series, not held (thin; the full grid has written it already)."""
-        if self.thin and self._latest:
-            rows, self._pending = list(self._latest.values()), []
+        if self.thin and self._last is not None:
+            rows = [self._row(self._last_ts, i, v) for i, v in enumerate(self._last)]
+            self._pending = []
             self.rows += len(rows)
             self.emit(rows)
 
@@ -282,7 +313,7 @@ class _LevelRun:
     def on_finish(self, req: SimRequest, now: float) -> None:
         self.inflight -= 1
         self.live.pop(req.rid, None)
-        rec = record_of(req, self.offset, self.record_itl)
+        rec = record_of(req, self.offset, self.record_itl, itl_array=True)
         if rec["ok"]:
             self.ok += 1
         else:
@@ -324,11 +355,22 @@ class _LevelRun:
             self.specs = [(t, r.input_tokens, r.output_tokens, r.hash_ids) for t, r in zip(offsets, rows)]
         else:
             self.specs = [(t, *self.lengths.next(), ()) for t in rate_schedule(self.plan, self.level, self.repeat)]
-        for t, i_tok, o_tok, hashes in self.specs:
-            req = self.new_request(t, i_tok, o_tok, tuple(hashes))
-            if req.tags["phase"] == "measure":
+        # the schedule is counted now (rid = position + 1, as if each were sent now); each request is built only
+        # when it arrives (Simulation.feed), so memory holds the requests in flight, not the whole schedule
+        for t, *_ in self.specs:
+            if t >= self.measure_start:
+                self.measured += 1
                 self.last_measured = t
-            self.sim.submit(req, t)
+        self.rid = self.inflight = len(self.specs)
+        self.sim.feed([spec[0] for spec in self.specs], self._scheduled)
+
+    def _scheduled(self, i: int) -> SimRequest:
+        """The schedule's i-th request, as it arrives (open loop and trace)."""
+        t, i_tok, o_tok, hashes = self.specs[i]
+        req = SimRequest(rid=i + 1, arrival=t, prompt=i_tok, max_out=o_tok, hashes=tuple(hashes),
+                         tags={**self.base, "phase": "warmup" if t < self.measure_start else "measure"})
+        self.live[req.rid] = req
+        return req
 
     # ------------------------------------------------------------------ the clock
     def drain_limit(self) -> float:
@@ -349,8 +391,9 @@ class _LevelRun:
         if sim.events > MAX_EVENTS:
             raise InputError(f"simulation of level {self.level:g} exceeded {MAX_EVENTS:,} events: shorten "
                              "load.duration")
-        t_end = cap if sim.heap and math.isfinite(cap) else sim.now  # stopped by the drain limit, or ran dry
+        t_end = cap if sim.pending and math.isfinite(cap) else sim.now  # stopped by the drain limit, or ran dry
         self.draining = True
+        sim.unfed()  # scheduled past the drain limit: built now (into ``live``), to be cancelled with the rest
         leftovers = sorted(self.live.values(), key=lambda r: r.rid)
         for req in leftovers:
             req.error = "cancelled"
@@ -415,7 +458,7 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
         raise InputError("workload.prefix_tokens / prefix_groups are not simulated: replay a trace with hash_ids "
                          "(e.g. Mooncake's) for prefix reuse")
     cm = cluster_model(cfg.scenario)
-    writer = RunWriter(cfg.out, overwrite=cfg.overwrite)
+    writer = RunWriter(cfg.out, overwrite=cfg.overwrite, flush_s=FLUSH_S)
     started = time.time()
     writer.manifest(_manifest(cfg, cm, started))
     offset = 0.0

@@ -1,0 +1,428 @@
+"""Request records as per-level numpy columns, read from ``requests.jsonl`` in chunks.
+
+Why: the analysis needs a dozen numbers per record, not a dict per record kept alive for the whole run (a
+million records held as dicts took ~1 GB, and per-token ITL lists several more). The file is parsed a few MB at a
+time (one ``orjson`` call per chunk), each chunk's fields go into per-(mode, level) column builders, and the
+chunk's dicts are dropped. Per-token ITLs are never kept per record: a record's tokens inside each measured
+window of its level (known beforehand from ``levels.jsonl``) are counted as the chunk is read, and the ITLs of
+the judged ok requests, needed for the ITL percentiles, are kept as floats up to ``ITL_EXACT_MAX`` per level,
+then as exact counts per distinct value on the 1 µs grid both writers round to (``quantiles``), so memory stays
+bounded in the number of tokens. Only a level without a line in ``levels.jsonl`` (a killed run's last) keeps its
+ITLs until its window is known from its records. The figures are the same whether a file is read in one chunk
+or many (the test compares them on every key of ``summary.json``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain, repeat
+from operator import itemgetter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from kvcap.analysis.quantiles import counted_percentiles, percentiles
+from kvcap.rundir import read_jsonl
+
+Key = tuple[str, float]
+Window = tuple[float, float]
+Reader = Callable[[Path, dict[Key, dict[int, Window]]], dict[Key, "LevelArrays"]]
+"""Records → per-level columns, given the measured windows known up front (``read_columns``, ``records_columns``)."""
+SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
+"""The per-request latencies an SLO item can limit (``<metric>_ms``)."""
+ITL_EXACT_MAX = 2_000_000
+"""ITL values per level kept as floats (16 MB); past it, counts per 1 µs value (exact order statistics)."""
+CHUNK_BYTES = 4 << 20
+_FLOATS = {"start": ("start_s", 0.0), "ttft": ("ttft_ms", np.nan), "tpot": ("tpot_ms", np.nan),
+           "e2e": ("e2e_ms", np.nan), "end": ("end_s", np.nan), "out_tokens": ("output_tokens", 0.0),
+           "in_tokens": ("input_tokens", 0.0), "queue": ("queue_ms", np.nan),
+           "send_delay": ("send_delay_ms", np.nan)}
+_PHASE_MEASURE, _PHASE_MISSING, _PHASE_OTHER = 0, 1, 2
+
+
+def level_key(rec: dict[str, Any]) -> Key:
+    return (str(rec.get("mode", "concurrency")), float(rec.get("level", 0)))
+
+
+class ItlValues:
+    """The ITLs of a level's judged ok requests, for their percentiles: floats, then exact counts per value."""
+
+    def __init__(self, exact_max: int = ITL_EXACT_MAX) -> None:
+        self.exact_max = exact_max
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+        self.grid: dict[int, int] = {}  # 1 µs value → count, once past ITL_EXACT_MAX
+        self.grid_sum_us = 0
+        self.off_grid = False
+
+    def add(self, values: np.ndarray) -> None:
+        if values.size == 0:
+            return
+        self.parts.append(values)
+        self.size += values.size
+        if self.size > self.exact_max and not self.off_grid:
+            self._count()
+
+    def _count(self) -> None:
+        if not self.parts:
+            return
+        flat = np.concatenate(self.parts)
+        us = np.rint(flat * 1e3).astype(np.int64)
+        if not np.array_equal(us / 1e3, flat):  # not on the 1 µs grid: keep every float (exact, unbounded)
+            if self.grid:
+                keys = np.fromiter(self.grid, np.int64, count=len(self.grid))
+                counts = np.fromiter(self.grid.values(), np.int64, count=len(self.grid))
+                flat = np.concatenate((np.repeat(keys / 1e3, counts), flat))
+                self.grid, self.grid_sum_us = {}, 0
+            self.parts, self.off_grid = [flat], True
+            return
+        self.parts, self.size = [], 0
+        vals, counts = np.unique(us, return_counts=True)
+        for v, c in zip(vals.tolist(), counts.tolist()):
+            self.grid[v] = self.grid.get(v, 0) + c
+        self.grid_sum_us += int(us.sum())
+
+    def percentiles(self) -> dict[str, float | None]:
+        if not self.grid:
+            return percentiles(np.concatenate(self.parts) if self.parts else np.zeros(0))
+        self._count()
+        keys = np.fromiter(sorted(self.grid), np.int64, count=len(self.grid))
+        counts = np.fromiter((self.grid[k] for k in keys.tolist()), np.int64, count=keys.size)
+        # the exact mean (an integer count of µs over n), where np.mean's pairwise float sum may differ by an ulp
+        return counted_percentiles(keys / 1e3, counts, self.grid_sum_us / (int(counts.sum()) * 1000))
+
+
+class LevelArrays:
+    """One level's records as numpy columns, so statistics are vectorised, not per-record loops.
+
+    ``LevelArrays(records, slo)`` builds them from dicts (one chunk); ``read_columns`` streams a file into them.
+    ``windows`` are the measured windows whose token counts are taken as the ITLs go by (any other window needs
+    the ITLs, which are then kept)."""
+
+    def __init__(self, records: Iterable[dict[str, Any]] = (), slo: dict[str, float] | None = None,
+                 windows: Sequence[Window] | None = None):
+        b = _Builder(tuple(windows) if windows is not None else None)
+        errors = _error_codes()
+        b.add(_extract(list(records), _level_codes(), errors), None)
+        b.error_names = list(errors.ids)
+        self._adopt(b)
+        self.good = self.meets(slo)
+
+    @classmethod
+    def _built(cls, b: _Builder) -> LevelArrays:
+        obj = cls.__new__(cls)
+        obj._adopt(b)
+        obj.good = obj.ok.copy()
+        return obj
+
+    def _adopt(self, b: _Builder) -> None:
+        cols = b.columns()
+        self.n = int(cols["start"].size)
+        self.start, self.ttft, self.tpot, self.e2e = cols["start"], cols["ttft"], cols["tpot"], cols["e2e"]
+        self.out_tokens, self.in_tokens = cols["out_tokens"], cols["in_tokens"]
+        self.queue, self.send_delay = cols["queue"], cols["send_delay"]
+        end = cols["end"]
+        self.end = np.where(np.isnan(end), np.where(np.isnan(self.e2e), self.start, self.start + self.e2e / 1e3), end)
+        self.repeat, self.error = cols["repeat"], cols["error"]
+        self.ok, self.truncated, self.has_itl = cols["ok"], cols["truncated"], cols["has_itl"]
+        phase = cols["phase"]
+        self.measured = phase != _PHASE_OTHER  # a record without a phase counts as measured
+        self.explicit_measure = phase == _PHASE_MEASURE
+        self.cancelled = cols["cancelled"]
+        self.error_names = b.error_names
+        self.first = self.start + self.ttft / 1e3
+        self.itl_ok = b.itl_ok
+        self._win_tokens = b.win_tokens
+        self._itl = b.itl_kept()
+
+    def meets(self, slo: dict[str, float] | None) -> np.ndarray:
+        """Requests that succeeded with each of their own latencies within the SLO (unknown does not fail)."""
+        good = self.ok.copy()
+        cols = {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e, "queue": self.queue}
+        for key, limit in (slo or {}).items():
+            metric = key.split("_", 1)[0]
+            if metric in SLO_METRICS:
+                good &= ~(cols[metric] > limit)
+        return good
+
+    def window_tokens(self, t0: float, t1: float) -> np.ndarray:
+        """Per request: its ITL-timed output tokens (the first included) that arrived within [t0, t1)."""
+        if (t0, t1) not in self._win_tokens:
+            if self._itl is None:
+                raise ValueError(f"window {(t0, t1)} was not counted and the ITLs were not kept")
+            flat, lens = self._itl
+            self._win_tokens[(t0, t1)] = _count_tokens(self.first, flat, lens, [(t0, t1)])[0]
+        return self._win_tokens[(t0, t1)]
+
+    def tokens_in_window(self, t0: float, t1: float, mask: np.ndarray) -> int:
+        """Output tokens (of the masked requests) that arrived within [t0, t1)."""
+        total = int(self.window_tokens(t0, t1)[mask].sum())
+        # requests without ITLs: N tokens spread evenly from first token to end (closed form, no arrays per token)
+        m = mask & ~np.isnan(self.first) & ~self.has_itl & (self.out_tokens > 0)
+        if m.any():
+            first, n = self.first[m], self.out_tokens[m]
+            last = np.where(np.isnan(self.e2e[m]), first, self.start[m] + self.e2e[m] / 1e3)
+            step = np.where(n > 1, (last - first) / np.maximum(n - 1, 1), np.inf)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                k_lo = np.where(np.isinf(step), np.where(first >= t0, 0, n), np.ceil((t0 - first) / step))
+                k_hi = np.where(np.isinf(step), np.where(first < t1, 0, -1), np.ceil((t1 - first) / step) - 1)
+            k_lo, k_hi = np.clip(k_lo, 0, n), np.clip(k_hi, -1, n - 1)  # k_lo = n: every token came before t0
+            total += int(np.maximum(k_hi - k_lo + 1, 0).sum())
+        return total
+
+    def own_windows(self) -> dict[int, Window]:
+        """Per repeat, the span of its measured requests' starts: the window of a level without a level line."""
+        windows: dict[int, Window] = {}
+        for rep in np.unique(self.repeat).tolist():
+            starts = self.start[self.explicit_measure & (self.repeat == rep)]
+            if starts.size:
+                windows[int(rep)] = (float(starts.min()), float(starts.max()) + 1e-9)
+        return windows
+
+
+class Codes(dict):  # type: ignore[type-arg]
+    """Raw value → a small int, values equal after ``norm`` sharing one, in order of first appearance (over the
+    whole file): a chunk's values map to codes at C speed, ``__missing__`` runs once per new raw value."""
+
+    def __init__(self, norm: Callable[[Any], Any]):
+        super().__init__()
+        self.norm = norm
+        self.ids: dict[Any, int] = {}
+
+    def __missing__(self, raw: Any) -> int:
+        code = self[raw] = self.ids.setdefault(self.norm(raw), len(self.ids))
+        return code
+
+
+_NUMERIC = (*(field for field, _ in _FLOATS.values()), "repeat", "ok", "truncated")
+_numbers, _tags = itemgetter(*_NUMERIC), itemgetter("mode", "level")
+_phase, _error, _itl = itemgetter("phase"), itemgetter("error"), itemgetter("itl_ms")
+_MISSING = object()
+_PHASES = {"measure": _PHASE_MEASURE, _MISSING: _PHASE_MISSING}
+
+
+def _fields(recs: list[dict[str, Any]]) -> tuple[list[Any], ...]:
+    """The fields the analysis reads, per record: by ``itemgetter`` (C speed) when every record has them all, as
+    ``bench`` and ``sim`` records do; otherwise one by one, with each field's default."""
+    try:
+        return (list(map(_numbers, recs)), list(map(_tags, recs)), list(map(_phase, recs)),
+                list(map(_error, recs)), list(map(_itl, recs)))
+    except (KeyError, TypeError):
+        recs[:] = [r for r in recs if isinstance(r, dict)]  # a line that is JSON but not a record is skipped
+        return ([tuple(r.get(f, 0 if f == "repeat" else None) for f in _NUMERIC) for r in recs],
+                [(r.get("mode", "concurrency"), r.get("level", 0)) for r in recs],
+                [r.get("phase", _MISSING) for r in recs], [r.get("error") for r in recs],
+                [r.get("itl_ms") for r in recs])
+
+
+def _extract(recs: list[dict[str, Any]], keys: Codes, errors: Codes) -> dict[str, Any]:
+    """One chunk's records as columns (all levels together), its ITLs flat, and each record's level id."""
+    numbers, tags, phases, errs, itls = _fields(recs)
+    n = len(recs)
+    table = np.array(numbers, dtype=float).reshape(n, len(_NUMERIC))  # None → NaN
+    cols: dict[str, Any] = {}
+    for i, (name, (_, default)) in enumerate(_FLOATS.items()):
+        col = np.ascontiguousarray(table[:, i])
+        if not np.isnan(default):
+            col[np.isnan(col)] = default
+        cols[name] = col
+    rep, ok, trunc = (table[:, len(_FLOATS) + i] for i in range(3))
+    cols["repeat"] = rep.astype(np.int64)
+    cols["ok"] = (ok != 0) & ~np.isnan(ok)
+    cols["truncated"] = (trunc != 0) & ~np.isnan(trunc)
+    cols["phase"] = np.fromiter(map(_PHASES.get, phases, repeat(_PHASE_OTHER, n)), np.int8, count=n)
+    cols["error"] = np.fromiter(map(errors.__getitem__, errs), np.int32, count=n)
+    cols["cancelled"] = cols["error"] == errors.ids.get("cancelled", -1)
+    try:
+        lens = np.fromiter(map(len, itls), np.int64, count=n)
+    except TypeError:  # a null itl_ms
+        itls = [x or () for x in itls]
+        lens = np.fromiter(map(len, itls), np.int64, count=n)
+    cols["itl_len"] = lens
+    cols["itl"] = np.fromiter(chain.from_iterable(itls), float, count=int(lens.sum()))
+    cols["key"] = np.fromiter(map(keys.__getitem__, tags), np.int64, count=n)
+    return cols
+
+
+def _level_codes() -> Codes:
+    return Codes(lambda raw: (str(raw[0]), float(raw[1])))
+
+
+def _error_codes() -> Codes:
+    return Codes(str)
+
+
+def _segmented_cumsum(flat: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Each record's running sum of its own ITLs, exactly as ``np.cumsum`` of that record's list alone (rows of
+    one length are stacked and summed along the row, so no sum carries over from the records before it)."""
+    out = np.empty_like(flat)
+    offsets = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+    for length in np.unique(lens[lens > 0]).tolist():
+        rows = np.flatnonzero(lens == length)
+        idx = offsets[rows][:, None] + np.arange(length)
+        out[idx] = np.cumsum(flat[idx], axis=1)
+    return out
+
+
+def _count_tokens(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, windows: Sequence[Window]) -> list[np.ndarray]:
+    """Per window, per record: tokens at first and at first + each running ITL sum (ms) within [t0, t1); 0 for a
+    record without ITLs (its tokens are spread by the closed form instead) or without a first token."""
+    has = (lens > 0) & ~np.isnan(first)
+    owner = np.repeat(np.arange(lens.size), lens)
+    times = first[owner] + _segmented_cumsum(flat, lens) / 1e3  # tokens 2..N (NaN first → never inside)
+    out = []
+    for t0, t1 in windows:
+        count = (has & (first >= t0) & (first < t1)).astype(np.int64)
+        inside = (times >= t0) & (times < t1)
+        count += np.bincount(owner[inside], minlength=lens.size)
+        out.append(count)
+    return out
+
+
+class _Column:
+    """One growing column, doubled when full: a long level is a few large allocations, each handed back to the
+    system when replaced, not thousands of chunk-sized pieces that stay in the heap after a final concatenate
+    (which held a 10M-record run at twice its columns)."""
+
+    def __init__(self, dtype: Any):
+        self.arr = np.empty(4096, dtype)
+        self.n = 0
+
+    def extend(self, values: np.ndarray) -> None:
+        end = self.n + values.size
+        if end > self.arr.size:
+            grown = np.empty(max(2 * self.arr.size, end), self.arr.dtype)
+            grown[:self.n] = self.arr[:self.n]
+            self.arr = grown
+        self.arr[self.n:end] = values
+        self.n = end
+
+    def done(self) -> np.ndarray:
+        out, self.arr = self.arr[:self.n].copy(), np.empty(0, self.arr.dtype)
+        return out
+
+
+class _Builder:
+    """One level's columns as chunks arrive; its token counts for the windows known up front."""
+
+    def __init__(self, windows: tuple[Window, ...] | None, itl_exact_max: int = ITL_EXACT_MAX):
+        self.windows = windows
+        self.parts: dict[str, _Column] = {}
+        self.win_parts = [_Column(np.int32) for _ in windows or ()]
+        self.itl_parts: list[tuple[np.ndarray, np.ndarray]] = []  # kept only when the windows are not known
+        self.itl_ok = ItlValues(itl_exact_max)
+        self.error_names: list[str] = []
+
+    def add(self, cols: dict[str, Any], rows: np.ndarray | None) -> None:
+        """Append the chunk's rows of this level (``rows`` None: the whole chunk is this level's)."""
+        take = (lambda a: a) if rows is None else (lambda a: a[rows])
+        mine = {k: take(v) for k, v in cols.items() if k not in ("itl", "key")}
+        lens = mine.pop("itl_len")
+        if rows is None:
+            flat = cols["itl"]
+        else:  # this level's ITLs out of the chunk's flat array
+            ends = np.cumsum(cols["itl_len"])
+            starts = ends - cols["itl_len"]
+            flat = cols["itl"][np.repeat(starts[rows], lens) + _ranks(lens)] if lens.sum() else np.zeros(0)
+        mine["has_itl"] = lens > 0
+        for k, v in mine.items():
+            if k not in self.parts:
+                self.parts[k] = _Column(v.dtype)
+            self.parts[k].extend(v)
+        first = mine["start"] + mine["ttft"] / 1e3
+        if self.windows is None:
+            self.itl_parts.append((flat, lens))
+        elif self.windows:
+            for acc, count in zip(self.win_parts, _count_tokens(first, flat, lens, self.windows)):
+                acc.extend(count)
+        ok = (mine["phase"] != _PHASE_OTHER) & ~mine["cancelled"] & mine["ok"]
+        self.itl_ok.add(flat[np.repeat(ok, lens)])
+
+    def columns(self) -> dict[str, np.ndarray]:
+        cols = {k: v.done() for k, v in self.parts.items()}
+        self.parts = {}
+        if not cols:
+            cols = {name: np.zeros(0) for name in _FLOATS} | {
+                "repeat": np.zeros(0, np.int64), "error": np.zeros(0, np.int32), "phase": np.zeros(0, np.int8),
+                **{k: np.zeros(0, bool) for k in ("ok", "truncated", "cancelled", "has_itl")}}
+        self.win_tokens = {w: p.done() for w, p in zip(self.windows or (), self.win_parts)}
+        return cols
+
+    def itl_kept(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if self.windows is not None:
+            return None
+        if not self.itl_parts:
+            return np.zeros(0), np.zeros(0, np.int64)
+        return np.concatenate([f for f, _ in self.itl_parts]), np.concatenate([n for _, n in self.itl_parts])
+
+
+def _ranks(lens: np.ndarray) -> np.ndarray:
+    """0, 1, …, len−1 for each length in turn (the position of each value inside its record)."""
+    total = int(lens.sum())
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    return np.arange(total) - starts
+
+
+def _chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[list[dict[str, Any]]]:
+    """The file's complete lines as dicts, a few MB at a time; a torn last line or a corrupt line is skipped (as
+    ``rundir.read_jsonl`` does)."""
+    with open(path, "rb") as f:
+        tail = b""
+        while True:
+            block = f.read(size)
+            if not block:
+                return  # what is left in tail has no newline: a torn last line
+            block = tail + block
+            cut = block.rfind(b"\n")
+            if cut < 0:
+                tail = block
+                continue
+            tail = block[cut + 1:]
+            body = block[:cut]
+            try:  # one parse per chunk: the lines as one JSON array (a raw newline only ever ends a record)
+                recs = orjson.loads(b"[" + body.replace(b"\n", b",") + b"]")
+            except orjson.JSONDecodeError:  # a corrupt or empty line somewhere: this chunk line by line
+                recs = []
+                for ln in body.split(b"\n"):
+                    try:
+                        recs.append(orjson.loads(ln))
+                    except orjson.JSONDecodeError:
+                        continue
+            yield recs
+
+
+def columns_of(chunks: Iterable[list[dict[str, Any]]], windows: dict[Key, dict[int, Window]],
+               itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, LevelArrays]:
+    """Per (mode, level): its records' columns. ``windows``: the measured windows known up front, per repeat."""
+    keys, errors = _level_codes(), _error_codes()
+    builders: dict[int, _Builder] = {}
+    for recs in chunks:
+        if not recs:
+            continue
+        cols = _extract(recs, keys, errors)
+        ids = np.unique(cols["key"])
+        for kid in ids.tolist():
+            if kid not in builders:
+                key = next(k for k, v in keys.ids.items() if v == kid)
+                builders[kid] = _Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max)
+            builders[kid].add(cols, None if ids.size == 1 else np.flatnonzero(cols["key"] == kid))
+    names = list(errors.ids)
+    out = {}
+    for key, kid in keys.ids.items():
+        builders[kid].error_names = names
+        out[key] = LevelArrays._built(builders[kid])
+    return out
+
+
+def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes: int = CHUNK_BYTES,
+                 itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, LevelArrays]:
+    """``requests.jsonl`` streamed into per-level columns (no dict per record kept)."""
+    return columns_of(_chunks(path, chunk_bytes) if path.exists() else (), windows, itl_exact_max)
+
+
+def records_columns(path: Path, windows: dict[Key, dict[int, Window]]) -> dict[Key, LevelArrays]:
+    """The same columns from every record read into memory first (``read_jsonl``, one chunk): the list path the
+    streaming one must equal."""
+    return columns_of([read_jsonl(path)], windows)
