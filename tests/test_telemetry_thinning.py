@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvcap.analysis.telemetry import HOLD, dedupe_sources, expand_held
+from kvcap.analysis.telemetry import HOLD, Telemetry, dedupe_sources, expand_held, how, node_figures, nodes, series
 from kvcap.experiment import packaged_scenario
 from kvcap.rundir import RunDir
 from kvcap.sim.run import SimConfig, run_sim
@@ -40,8 +40,11 @@ def test_thinned_run_gives_the_same_summary(tmp_path: Path, arm: str) -> None:
     assert thin["capacity"] == full["capacity"]
     assert thin["capacity"]["resident"] is not None and thin["capacity"]["effective"] is not None
     assert _no_wall(thin) == _no_wall(full)
-    # the expanded rows are the full grid's, row for row
-    assert dedupe_sources(RunDir(tmp_path / "thin").telemetry()) == RunDir(tmp_path / "full").telemetry()
+    # the expanded rows are the full grid's, row for row: by the row path and by the series (columnar) path
+    full_rows = RunDir(tmp_path / "full").telemetry()
+    thin_rows = RunDir(tmp_path / "thin").telemetry()
+    assert expand_held(thin_rows) == full_rows
+    assert dedupe_sources(thin_rows).rows() == full_rows
     big = (tmp_path / "full" / "telemetry.jsonl").stat().st_size
     small = (tmp_path / "thin" / "telemetry.jsonl").stat().st_size
     print(f"telemetry.jsonl ({arm}): full {big / 1e3:.0f} kB, on change {small / 1e3:.0f} kB, {big / small:.1f}×")
@@ -60,17 +63,32 @@ def test_a_held_value_is_not_carried_across_levels() -> None:
     assert expand_held(scraped) is scraped  # real scrapes pass through untouched
 
 
-def test_the_name_index_gives_the_series_a_scan_gives(tmp_path: Path) -> None:
-    from kvcap.analysis.telemetry import Rows, series
+def _scan_series(rows: list[dict[str, Any]], name: str, node: str | None = None) -> list[tuple[float, float]]:
+    """The reference: every row scanned, values per sample time in row order, summed / averaged / maximised."""
+    agg = how(name)
+    acc: dict[float, list[float]] = {}
+    for r in rows:
+        if r["name"] == name and (node is None or r["labels"].get("node") == node):
+            acc.setdefault(float(r["t_s"]), []).append(float(r["value"]))
+    fn = {"sum": sum, "max": max}.get(agg, lambda v: sum(v) / len(v))
+    return sorted((t, float(fn(v))) for t, v in acc.items())
 
+
+def test_the_series_path_gives_what_a_scan_of_the_expanded_rows_gives(tmp_path: Path) -> None:
+    """``Telemetry`` (per-series arrays, held values put back on the grid by numpy, aggregated once and cached)
+    against a plain scan of the rows ``expand_held`` gives: the same floats for every name, node and window."""
     _sim("remote", tmp_path / "run", full=False)
-    rows = dedupe_sources(RunDir(tmp_path / "run").telemetry())
-    assert isinstance(rows, Rows)
-    plain = list(rows)
+    raw = RunDir(tmp_path / "run").telemetry()
+    tel = dedupe_sources(raw)
+    assert isinstance(tel, Telemetry) and len(tel) > len(raw)  # held rows put back on the grid
+    plain = expand_held(raw)
     names = {r["name"] for r in plain}
-    nodes = {r["labels"].get("node") for r in plain} - {None}
-    assert len(names) > 10 and nodes
+    node_names = {r["labels"].get("node") for r in plain} - {None}
+    assert len(names) > 10 and node_names and set(nodes(tel)) == node_names
     for name in names:
-        assert series(rows, name) == series(plain, name), name
-        for node in nodes:
-            assert series(rows, name, node=node) == series(plain, name, node=node), (name, node)
+        assert series(tel, name) == _scan_series(plain, name), name
+        for node in node_names:
+            assert series(tel, name, node=node) == _scan_series(plain, name, node), (name, node)
+    t0, t1 = plain[len(plain) // 3]["t_s"], plain[2 * len(plain) // 3]["t_s"]
+    windowed = [r for r in plain if t0 <= r["t_s"] <= t1]
+    assert node_figures(tel, t0, t1) == node_figures(windowed, -1e18, 1e18)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import math
 from collections import defaultdict
+from collections.abc import Iterable
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -64,69 +66,199 @@ def _expand(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for _, _, r in out]
 
 
-class Rows(list):
-    """Telemetry rows with an index by metric name, built on first use: ``series`` is called for dozens of names
-    per run, and scanning every row for each name cost more than the rest of the telemetry analysis. Treat it as
-    read-only once an index was built."""
-
-    _by_name: dict[str, list[dict[str, Any]]] | None = None
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        if self._by_name is None:
-            index: dict[str, list[dict[str, Any]]] = defaultdict(list)
-            for r in self:
-                index[r.get("name", "")].append(r)
-            self._by_name = dict(index)
-        return self._by_name.get(name, [])
+Key = tuple[Any, ...]
+Points = list[tuple[float, float]]
 
 
-def dedupe_sources(rows: list[dict[str, Any]]) -> Rows:
-    """Keep, per metric name, only the rows of the source kind (``metrics``, ``prometheus``, ``sim``) with most rows
-    (counted on the grid: rows written on change are expanded first, ``expand_held``)."""
-    rows = expand_held(rows)
-    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for r in rows:
-        counts[r.get("name", "")][str(r.get("source", "")).split(":", 1)[0]] += 1
-    keep = {name: max(kinds, key=lambda k: kinds[k]) for name, kinds in counts.items()}
-    return Rows(r for r in rows if str(r.get("source", "")).split(":", 1)[0] == keep.get(r.get("name", "")))
+class Telemetry:
+    """A run's telemetry as series — one per (source, name, labels) — each its sample times and values as numpy
+    arrays, rows written on change (``hold_s``) put back on their grid without a dict per grid point.
+
+    Why: a long simulated run has a million grid rows; as dicts, expanded, scanned per name and again per node
+    and level window, they cost more than the rest of the analysis. Aggregated series are cached per (name,
+    node), so a summary's per-level and per-node figures are window slices of series built once. Aggregation is
+    the old row-by-row one, value for value: per sample time, values are added in series order (the order rows
+    were first seen), so sums, means and maxima are the same floats."""
+
+    def __init__(self, rows: Iterable[dict[str, Any]], dedupe: bool = False):
+        ids: dict[Key, int] = {}
+        self.meta: list[tuple[str, str, dict[str, Any]]] = []
+        """(source, name, labels) of each series."""
+        cols: list[tuple[list[float], list[float], list[float]]] = []
+        for r in rows:
+            labels = r.get("labels") or {}
+            key = (r.get("source"), r.get("name"), *sorted(labels.items()))
+            i = ids.get(key)
+            if i is None:
+                i = ids[key] = len(cols)
+                self.meta.append((str(r.get("source", "")), str(r.get("name", "")), labels))
+                cols.append(([], [], []))
+            t, v, h = cols[i]
+            t.append(_number(r.get("t_s")))
+            v.append(_number(r.get("value")))
+            h.append(_number(r.get(HOLD)))
+        self.t: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        for t, v, h in cols:
+            ta, va = _held_on_grid(np.asarray(t, float), np.asarray(v, float), np.asarray(h, float))
+            self.t.append(ta)
+            self.v.append(va)
+        self.by_name: dict[str, list[int]] = defaultdict(list)
+        for i, (_, name, _) in enumerate(self.meta):
+            self.by_name[name].append(i)
+        if dedupe:
+            self._keep_busiest_source()
+        self._cache: dict[tuple[str, str, str | None], tuple[np.ndarray, np.ndarray]] = {}
+
+    def _keep_busiest_source(self) -> None:
+        """Per metric name, only the series of the source kind (``metrics``, ``prometheus``, ``sim``) with the most
+        rows on the grid: the same metric scraped two ways is not counted twice."""
+        for name, idx in self.by_name.items():
+            counts: dict[str, int] = defaultdict(int)
+            for i in idx:
+                counts[self.meta[i][0].split(":", 1)[0]] += self.t[i].size
+            best = max(counts, key=lambda k: counts[k])
+            self.by_name[name] = [i for i in idx if self.meta[i][0].split(":", 1)[0] == best]
+
+    def __len__(self) -> int:
+        return sum(self.t[i].size for idx in self.by_name.values() for i in idx)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The kept series back as rows (time order, then series order): what ``expand_held`` gives."""
+        out = [(t, i, {"t_s": t, "source": self.meta[i][0], "name": self.meta[i][1], "labels": self.meta[i][2],
+                       "value": v})
+               for idx in self.by_name.values() for i in idx
+               for t, v in zip(self.t[i].tolist(), self.v[i].tolist())]
+        out.sort(key=lambda x: (x[0], x[1]))
+        return [r for _, _, r in out]
+
+    def names(self) -> list[str]:
+        return [name for name, idx in self.by_name.items() if idx]
+
+    def label_values(self, label: str, name: str | None = None) -> set[Any]:
+        idx = self.by_name.get(name, []) if name is not None else [i for v in self.by_name.values() for i in v]
+        return {self.meta[i][2].get(label) for i in idx}
+
+    def selected(self, name: str, node: str | None = None) -> list[int]:
+        """The series of ``name`` (one node's), in series order; network series without loopback unless it is
+        all there is."""
+        idx = self.by_name.get(name, [])
+        if node is not None:
+            idx = [i for i in idx if self.meta[i][2].get("node") == node]
+        if name.startswith("net.") and {self.meta[i][2].get("device") for i in idx} - set(LOOPBACK):
+            idx = [i for i in idx if self.meta[i][2].get("device") not in LOOPBACK]
+        return idx
+
+    def arrays(self, name: str, agg: str | None = None, node: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(times, values): one value per sample time, aggregated over the other labels (cached)."""
+        key = (name, agg or how(name), node)
+        if key not in self._cache:
+            idx = self.selected(name, node)
+            self._cache[key] = _aggregate([self.t[i] for i in idx], [self.v[i] for i in idx], key[1])
+        return self._cache[key]
+
+    def nic_utilisation(self, node: str | None = None, t0: float = -math.inf, t1: float = math.inf) -> float | None:
+        """Busiest NIC direction as a fraction of its line rate (node exporter's ``net.speed_bytes_s``), per sample,
+        over [t0, t1]."""
+        speed: dict[Any, float] = {}
+        for i in self._of_node("net.speed_bytes_s", node):
+            v = self.v[i][_window(self.t[i], t0, t1)]
+            for x in v[v > 0].tolist():
+                speed[self.meta[i][2].get("device")] = x
+        best = None
+        for name in ("net.rx_bytes_s", "net.tx_bytes_s"):
+            for i in self._of_node(name, node):
+                dev = self.meta[i][2].get("device")
+                v = self.v[i][_window(self.t[i], t0, t1)]
+                if dev in speed and v.size:
+                    u = float(np.max(v / speed[dev]))
+                    best = u if best is None or u > best else best
+        return None if best is None else round(best, 4)
+
+    def _of_node(self, name: str, node: str | None) -> list[int]:
+        idx = self.by_name.get(name, [])
+        return idx if node is None else [i for i in idx if self.meta[i][2].get("node") == node]
 
 
-def _skip_loopback(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Network rows without the loopback device, unless loopback is the only device."""
-    devices = {r["labels"].get("device") for r in rows}
-    if devices - set(LOOPBACK):
-        return [r for r in rows if r["labels"].get("device") not in LOOPBACK]
-    return rows
+def _number(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan  # a damaged (or absent) field: the row is skipped where the field is needed
 
 
-def series(rows: list[dict[str, Any]], name: str, agg: str | None = None,
-           node: str | None = None) -> list[tuple[float, float]]:
+def _window(t: np.ndarray, t0: float, t1: float) -> np.ndarray:
+    """Samples within [t0, t1]; all of them (times unknown too) for an unbounded window."""
+    if t0 == -math.inf and t1 == math.inf:
+        return np.ones(t.size, bool)
+    return (t >= t0) & (t <= t1)
+
+
+def _held_on_grid(t: np.ndarray, v: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One series' rows with each held value repeated every ``hold_s`` (at ``round(t + k·hold_s, 6)``, as the
+    sampler rounds) until the series' next row; rows without ``hold_s`` as they are."""
+    held = np.flatnonzero(np.isfinite(h[:-1]) & (h[:-1] > 0)) if t.size > 1 else np.zeros(0, np.int64)
+    if held.size == 0:
+        return t, v
+    steps = h[held]
+    # how many grid points fit before the next row: a bound, then cut where round(t + k·step, 6) < next
+    n = np.ceil((t[held + 1] - t[held]) / steps).astype(np.int64) + 1
+    owner = np.repeat(held, n)
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + 1
+    grid = np.fromiter(map(round, (t[owner] + k * np.repeat(steps, n)).tolist(), repeat(6)), float, count=k.size)
+    keep = grid < t[owner + 1]
+    owner, grid = owner[keep], grid[keep]
+    times = np.concatenate((t, grid))
+    order = np.argsort(times, kind="stable")  # a series' times are distinct: grid points fall between its rows
+    return times[order], np.concatenate((v, v[owner]))[order]
+
+
+def _aggregate(ts: list[np.ndarray], vs: list[np.ndarray], agg: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample time, the series' values summed, averaged or maximised — added in series order, as a sum over
+    a list of them would (the same floats)."""
+    if not ts:
+        return np.zeros(0), np.zeros(0)
+    t, v = np.concatenate(ts), np.concatenate(vs)
+    ok = np.isfinite(t) & np.isfinite(v)
+    t, v = t[ok], v[ok]
+    times, inv = np.unique(t, return_inverse=True)
+    if agg == "max":
+        out = np.full(times.size, -np.inf)
+        np.maximum.at(out, inv, v)
+        return times, out
+    out = np.zeros(times.size)
+    np.add.at(out, inv, v)  # in index order: each time's values in series order
+    if agg == "sum":
+        return times, out
+    return times, out / np.bincount(inv, minlength=times.size)
+
+
+def telemetry_of(rows: Telemetry | list[dict[str, Any]]) -> Telemetry:
+    """Rows as they are (no source kind dropped), or a ``Telemetry`` already built."""
+    return rows if isinstance(rows, Telemetry) else Telemetry(rows)
+
+
+def dedupe_sources(rows: list[dict[str, Any]]) -> Telemetry:
+    """The run's telemetry with, per metric name, only the rows of the source kind (``metrics``, ``prometheus``,
+    ``sim``) with most rows (counted on the grid: rows written on change are expanded first)."""
+    return Telemetry(rows, dedupe=True)
+
+
+def series(rows: Telemetry | list[dict[str, Any]], name: str, agg: str | None = None,
+           node: str | None = None) -> Points:
     """One value per sample time for ``name`` (optionally one node's), aggregated over the other labels."""
-    named = rows.named(name) if isinstance(rows, Rows) else [r for r in rows if r.get("name") == name]
-    mine = named if node is None else [r for r in named if r["labels"].get("node") == node]
-    if name.startswith("net."):
-        mine = _skip_loopback(mine)
-    acc: dict[float, list[float]] = defaultdict(list)
-    for r in mine:
-        try:
-            t, v = float(r["t_s"]), float(r["value"])
-        except (KeyError, TypeError, ValueError):
-            continue  # a damaged row is skipped, not fatal
-        if math.isfinite(t) and math.isfinite(v):
-            acc[t].append(v)
-    agg = agg or how(name)
-    fn = {"sum": sum, "max": max}.get(agg, lambda v: sum(v) / len(v))
-    return sorted((t, float(fn(v))) for t, v in acc.items())
+    t, v = telemetry_of(rows).arrays(name, agg, node)
+    return list(zip(t.tolist(), v.tolist()))
 
 
-def add(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def add(a: Points, b: Points) -> Points:
     acc: dict[float, float] = defaultdict(float)
     for t, v in a + b:
         acc[t] += v
     return sorted(acc.items())
 
 
-def within(s: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
+def within(s: Points, t0: float, t1: float) -> Points:
     return [(t, v) for t, v in s if t0 <= t <= t1]
 
 
@@ -148,31 +280,28 @@ NODE_FIGURES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def nodes(rows: list[dict[str, Any]]) -> list[str]:
-    return sorted({str(r["labels"]["node"]) for r in rows if r.get("labels", {}).get("node") is not None})
+def nodes(rows: Telemetry | list[dict[str, Any]]) -> list[str]:
+    return sorted(str(n) for n in telemetry_of(rows).label_values("node") if n is not None)
 
 
-def node_figures(rows: list[dict[str, Any]], t0: float, t1: float) -> dict[str, dict[str, float]]:
+def node_figures(rows: Telemetry | list[dict[str, Any]], t0: float, t1: float) -> dict[str, dict[str, float]]:
     """Per node, over one window: GPU utilisation and memory, KV usage, running/waiting, network bytes/s (and
     Gbps), busiest link — the article's "60% of cluster memory used does not mean 40% more concurrency"."""
+    tel = telemetry_of(rows)
     out: dict[str, dict[str, float]] = {}
-    by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        node = r.get("labels", {}).get("node")
-        if node is not None and t0 <= float(r["t_s"]) <= t1:
-            by_node[str(node)].append(r)
-    for node, mine in sorted(by_node.items()):
+    for node in nodes(tel):
         figs: dict[str, float] = {}
         for key, name, stat in NODE_FIGURES:
-            vals = [v for _, v in series(mine, name)]
-            if not vals:
+            t, v = tel.arrays(name, node=node)
+            vals = v[(t >= t0) & (t <= t1)]
+            if not vals.size:
                 continue
             fn = {"mean": np.mean, "max": np.max, "min": np.min}[stat]
             figs[key] = round(float(fn(vals)), 4)
         for d in ("rx", "tx"):
             if f"net_{d}_bytes_s_mean" in figs:
                 figs[f"net_{d}_gbps_mean"] = round(figs[f"net_{d}_bytes_s_mean"] * 8 / 1e9, 4)
-        nic = nic_utilisation(mine)
+        nic = tel.nic_utilisation(node, t0, t1)
         if nic is not None and "link_util_max" not in figs:
             figs["link_util_max"] = nic
         if figs:
@@ -180,26 +309,17 @@ def node_figures(rows: list[dict[str, Any]], t0: float, t1: float) -> dict[str, 
     return out
 
 
-def nic_utilisation(rows: list[dict[str, Any]]) -> float | None:
+def nic_utilisation(rows: Telemetry | list[dict[str, Any]]) -> float | None:
     """Busiest NIC direction as a fraction of its line rate (node exporter's ``net.speed_bytes_s``), per sample."""
-    speed = {r["labels"].get("device"): float(r["value"]) for r in rows
-             if r.get("name") == "net.speed_bytes_s" and float(r["value"]) > 0}
-    if not speed:
-        return None
-    best = None
-    for r in rows:
-        dev = r["labels"].get("device")
-        if r.get("name") in ("net.rx_bytes_s", "net.tx_bytes_s") and dev in speed:
-            u = float(r["value"]) / speed[dev]
-            best = u if best is None or u > best else best
-    return None if best is None else round(best, 4)
+    return telemetry_of(rows).nic_utilisation()
 
 
-def servers(rows: list[dict[str, Any]]) -> int:
+def servers(rows: Telemetry | list[dict[str, Any]]) -> int:
     """How many servers (replicas) report a running count — one per (node, replica) label pair; else the nodes."""
-    pairs = {(r.get("labels", {}).get("node"), r.get("labels", {}).get("replica")) for r in rows
-             if r.get("name") == "server.requests_running"}
-    return len(pairs) or len(nodes(rows)) or 1
+    tel = telemetry_of(rows)
+    pairs = {(tel.meta[i][2].get("node"), tel.meta[i][2].get("replica"))
+             for i in tel.by_name.get("server.requests_running", [])}
+    return len(pairs) or len(nodes(tel)) or 1
 
 
 WAITING = 0.5
