@@ -8,11 +8,14 @@ the requests still in flight and a torn last line, which the readers skip.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, TypedDict
@@ -256,12 +259,25 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while millions of parsed dicts (none of them cyclic) are made: its passes,
+    triggered by the allocations alone, cost a fifth of a big read and free nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """All complete lines; a torn or corrupt line (a killed writer's last) is skipped."""
     if not path.exists():
         return []
     out: list[dict[str, Any]] = []
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, gc_paused():
         for line in f:
             if not line.endswith(b"\n"):
                 break

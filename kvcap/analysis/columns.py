@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from kvcap.analysis.quantiles import counted_percentiles, percentiles
-from kvcap.rundir import read_jsonl
+from kvcap.rundir import gc_paused, read_jsonl
 
 Key = tuple[str, float]
 Window = tuple[float, float]
@@ -398,6 +398,19 @@ def columns_of(chunks: Iterable[list[dict[str, Any]]], windows: dict[Key, dict[i
     """Per (mode, level): its records' columns. ``windows``: the measured windows known up front, per repeat."""
     keys, errors = _level_codes(), _error_codes()
     builders: dict[int, _Builder] = {}
+    with gc_paused():
+        _fill(builders, chunks, windows, keys, errors, itl_exact_max)
+    names = list(errors.ids)
+    out = {}
+    for key, kid in keys.ids.items():
+        builders[kid].error_names = names
+        out[key] = LevelArrays._built(builders[kid])
+    return out
+
+
+def _fill(builders: dict[int, _Builder], chunks: Iterable[list[dict[str, Any]]],
+          windows: dict[Key, dict[int, Window]], keys: Codes, errors: Codes, itl_exact_max: int) -> None:
+    """Each chunk's records into their level's builder (one builder per level, made on its first record)."""
     for recs in chunks:
         if not recs:
             continue
@@ -408,12 +421,6 @@ def columns_of(chunks: Iterable[list[dict[str, Any]]], windows: dict[Key, dict[i
                 key = next(k for k, v in keys.ids.items() if v == kid)
                 builders[kid] = _Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max)
             builders[kid].add(cols, None if ids.size == 1 else np.flatnonzero(cols["key"] == kid))
-    names = list(errors.ids)
-    out = {}
-    for key, kid in keys.ids.items():
-        builders[kid].error_names = names
-        out[key] = LevelArrays._built(builders[kid])
-    return out
 
 
 def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes: int = CHUNK_BYTES,

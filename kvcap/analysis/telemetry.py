@@ -8,7 +8,6 @@ maximised (the busiest link). Per node, network figures leave out the loopback d
 
 from __future__ import annotations
 
-import gc
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -16,6 +15,8 @@ from itertools import repeat
 from typing import Any
 
 import numpy as np
+
+from kvcap.rundir import gc_paused
 
 MEAN = {"gpu.util", "gpu.sm_active", "gpu.dram_active", "gpu.engine_active", "server.kv_usage",
         "server.kv_usage_host", "server.kv_tier_usage", "server.prefix_cache_hit_rate", "server.offload_hit_rate"}
@@ -35,13 +36,8 @@ def expand_held(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     Rows without ``hold_s`` (real scrapes, old runs) pass through as they are."""
     if not any(HOLD in r for r in rows):
         return rows
-    enabled = gc.isenabled()
-    gc.disable()  # a million fresh dicts, none cyclic: the collector's passes would double the time
-    try:
+    with gc_paused():  # a million fresh dicts, none cyclic
         return _expand(rows)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _expand(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -82,25 +78,32 @@ class Telemetry:
 
     def __init__(self, rows: Iterable[dict[str, Any]], dedupe: bool = False):
         ids: dict[Key, int] = {}
+        seen: dict[Key, int] = {}  # labels in the order a writer gives them → series (sorting only on a miss)
         self.meta: list[tuple[str, str, dict[str, Any]]] = []
         """(source, name, labels) of each series."""
-        cols: list[tuple[list[float], list[float], list[float]]] = []
-        for r in rows:
-            labels = r.get("labels") or {}
-            key = (r.get("source"), r.get("name"), *sorted(labels.items()))
-            i = ids.get(key)
-            if i is None:
-                i = ids[key] = len(cols)
-                self.meta.append((str(r.get("source", "")), str(r.get("name", "")), labels))
-                cols.append(([], [], []))
-            t, v, h = cols[i]
-            t.append(_number(r.get("t_s")))
-            v.append(_number(r.get("value")))
-            h.append(_number(r.get(HOLD)))
+        cols: list[tuple[list[Any], list[Any], list[Any]]] = []
+        with gc_paused():
+            for r in rows:
+                labels = r.get("labels") or {}
+                source, name = r.get("source"), r.get("name")
+                fast = (source, name, *labels.items())
+                i = seen.get(fast)
+                if i is None:
+                    key = (source, name, *sorted(labels.items()))
+                    i = ids.get(key)
+                    if i is None:
+                        i = ids[key] = len(cols)
+                        self.meta.append((str(r.get("source", "")), str(r.get("name", "")), labels))
+                        cols.append(([], [], []))
+                    seen[fast] = i
+                t, v, h = cols[i]
+                t.append(r.get("t_s"))
+                v.append(r.get("value"))
+                h.append(r.get(HOLD))
         self.t: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
         for t, v, h in cols:
-            ta, va = _held_on_grid(np.asarray(t, float), np.asarray(v, float), np.asarray(h, float))
+            ta, va = _held_on_grid(_floats(t), _floats(v), _floats(h))
             self.t.append(ta)
             self.v.append(va)
         self.by_name: dict[str, list[int]] = defaultdict(list)
@@ -180,11 +183,19 @@ class Telemetry:
         return idx if node is None else [i for i in idx if self.meta[i][2].get("node") == node]
 
 
+def _floats(raw: list[Any]) -> np.ndarray:
+    """A field's values as floats; absent or damaged ones NaN (the row is skipped where the field is needed)."""
+    try:
+        return np.asarray(raw, float)  # None → NaN
+    except (TypeError, ValueError):
+        return np.fromiter(map(_number, raw), float, count=len(raw))
+
+
 def _number(x: Any) -> float:
     try:
         return float(x)
     except (TypeError, ValueError):
-        return math.nan  # a damaged (or absent) field: the row is skipped where the field is needed
+        return math.nan
 
 
 def _window(t: np.ndarray, t0: float, t1: float) -> np.ndarray:
