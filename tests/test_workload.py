@@ -119,9 +119,11 @@ def test_prompt_cache_is_bounded_and_rebuilt_bodies_are_the_same(monkeypatch):
     """A long run must not keep every prompt body: past the bound they are rebuilt from (seed, i), identically."""
     import kvcap.workload.prompts as prompts
 
-    monkeypatch.setattr(prompts, "CACHE_CHARS", 5_000)
+    monkeypatch.setattr(prompts, "CACHE_BYTES", 50_000)
     f = prompts.PromptFactory(seed=1, input_dist=parse_length(64), output_dist=parse_length(4))
     first = [f.body(i) for i in range(200)]
-    assert 0 < f._cached_chars <= 5_000 and len(f._cache) < 200
+    assert 0 < f._cached_bytes <= 50_000 and len(f._cache) < 200
+    # each entry counts its overhead, not only its characters (~400 chars of text + ENTRY_BYTES)
+    assert len(f._cache) <= 50_000 // (prompts.ENTRY_BYTES + 64 * 2)
     fresh = prompts.PromptFactory(seed=1, input_dist=parse_length(64), output_dist=parse_length(4))
     assert [f.body(i) for i in range(200)] == first == [fresh.body(i) for i in range(200)]

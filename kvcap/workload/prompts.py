@@ -122,9 +122,12 @@ class RequestSpec:
     messages: list[dict[str, str]] | None = None
 
 
-CACHE_CHARS = 32_000_000
-"""Prompt bodies kept for reuse by later levels and repeats (which send the same bodies again), at most this many
-characters (~32 MB): bodies are rebuilt from (seed, i) past it, so a run's memory does not grow with its length."""
+CACHE_BYTES = 32_000_000
+"""Prompt bodies kept for reuse by later levels and repeats (which send the same bodies again), at most about this
+many bytes: bodies are rebuilt from (seed, i) past it, so a run's memory does not grow with its length."""
+ENTRY_BYTES = 300
+"""What a cached body costs beside its characters (the str header, the entry's tuple, key and dict slot): with
+short prompts it is most of the cost — counting characters alone let 16-token prompts take ~4× the bound."""
 
 
 @dataclass
@@ -144,7 +147,7 @@ class PromptFactory:
     """Tokens the server adds to every prompt (BOS, chat template): generated prompts are built to the target
     minus this, so the server's count is the target."""
     _cache: dict[int, tuple[str, int, int, int | None, list | None]] = field(default_factory=dict)
-    _cached_chars: int = 0
+    _cached_bytes: int = 0
 
     @cached_property
     def _words(self) -> np.ndarray:
@@ -186,9 +189,10 @@ class PromptFactory:
             words = self._words[rng.integers(len(WORDS), size=in_t + 8)]
             text = " ".join(words)
         entry = (text, in_t, out_t, group, messages)
-        if self._cached_chars + len(text) <= CACHE_CHARS:
+        cost = len(text) + ENTRY_BYTES
+        if self._cached_bytes + cost <= CACHE_BYTES:
             self._cache[i] = entry
-            self._cached_chars += len(text)
+            self._cached_bytes += cost
         return entry
 
     def request(self, i: int, level: float = 0, repeat: int = 0) -> RequestSpec:
