@@ -86,7 +86,7 @@ def test_streamed_columns_give_the_list_paths_summary_on_every_key(which, sim_di
     run = sim_dir if which == "sim" else bench_dir
     streamed, listed = both(run)
     assert_same(streamed, listed)
-    assert build_summary(RunDir(run)) == listed  # the default reader (4 MB chunks: one here)
+    assert build_summary(RunDir(run)) == listed  # the default reader (1 MB chunks: one here)
     lv = streamed["levels"]
     assert len(lv) == 2 and all(len(x["output_tok_s_repeats"]) == 2 for x in lv)
     assert sum(x["errors"] for x in lv) > 0 and lv[0]["itl_ms"]["p50"] is not None

@@ -1,7 +1,7 @@
 """Request records as per-level numpy columns, read from ``requests.jsonl`` in chunks.
 
 Why: the analysis needs a dozen numbers per record, not a dict per record kept alive for the whole run (a
-million records held as dicts took ~1 GB, and per-token ITL lists several more). The file is parsed a few MB at a
+million records held as dicts took ~1 GB, and per-token ITL lists several more). The file is parsed a megabyte at a
 time (one ``orjson`` call per chunk), each chunk's fields go into per-(mode, level) column builders, and the
 chunk's dicts are dropped. Per-token ITLs are never kept per record: a record's tokens inside each measured
 window of its level (known beforehand from ``levels.jsonl``) are counted as the chunk is read, and the ITLs of
@@ -34,7 +34,9 @@ SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
 """The per-request latencies an SLO item can limit (``<metric>_ms``)."""
 ITL_EXACT_MAX = 2_000_000
 """ITL values per level kept as floats (16 MB); past it, counts per 1 µs value (exact order statistics)."""
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 1 << 20
+"""Bytes of requests.jsonl parsed at once: its dicts are the read's peak memory (a 4 MB chunk of bench records
+held ~100 MB of them; 1 MB is as fast)."""
 _FLOATS = {"start": ("start_s", 0.0), "ttft": ("ttft_ms", np.nan), "tpot": ("tpot_ms", np.nan),
            "e2e": ("e2e_ms", np.nan), "end": ("end_s", np.nan), "out_tokens": ("output_tokens", 0.0),
            "in_tokens": ("input_tokens", 0.0), "queue": ("queue_ms", np.nan),
@@ -366,7 +368,7 @@ def _ranks(lens: np.ndarray) -> np.ndarray:
 
 
 def _chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[list[dict[str, Any]]]:
-    """The file's complete lines as dicts, a few MB at a time; a torn last line or a corrupt line is skipped (as
+    """The file's complete lines as dicts, a chunk at a time; a torn last line or a corrupt line is skipped (as
     ``rundir.read_jsonl`` does)."""
     with open(path, "rb") as f:
         tail = b""

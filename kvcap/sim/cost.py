@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Literal
 
 import numpy as np
@@ -103,6 +104,11 @@ def _empty() -> IterationCost:
 # --------------------------------------------------------------------------------------------- cost model
 
 
+_CLEAR = 1.0 + 1e-9
+"""A line leads the other by this factor at both ends of a span: it leads at every step, rounding and all."""
+_PY_STEPS = 48
+"""Spans up to this many steps get their step ends summed in Python (:meth:`CostModel.decode_step_ends`)."""
+
 LINEAR_CACHE = 1 << 16
 """Most (tokens, rows) pairs a cost model remembers the step terms of (a run meets a few thousand)."""
 
@@ -147,9 +153,19 @@ class CostModel:
 
     def iteration_time(self, batch: BatchShape) -> IterationCost:
         """Cost of one iteration over ``batch`` (see :class:`IterationCost` for the parts)."""
-        t = batch.n_prefill_tokens + batch.n_decode
-        if t <= 0:
+        if batch.n_prefill_tokens + batch.n_decode <= 0:
             return _empty()
+        return IterationCost(*self._parts(batch))
+
+    def step_time(self, batch: BatchShape) -> float:
+        """``iteration_time(batch).total_s`` without building the breakdown (the simulator's per-step call)."""
+        if batch.n_prefill_tokens + batch.n_decode <= 0:
+            return 0.0
+        return self._parts(batch)[0]
+
+    def _parts(self, batch: BatchShape) -> tuple[Any, ...]:
+        """:class:`IterationCost`'s fields, in order, of a non-empty batch."""
+        t = batch.n_prefill_tokens + batch.n_decode
         s = batch.n_decode + batch.n_prefill_seqs
         terms = self._linear.get((t, s))
         if terms is None:
@@ -192,9 +208,8 @@ class CostModel:
         comm_fixed, comm_tok, comm_b = self._comm
         comm = comm_fixed + comm_tok * t
         overhead = self.calib.step_overhead_s
-        return IterationCost(gemm + attn + elem + comm + overhead, gemm, attn, elem, comm, overhead, compute,
-                             memory, flops, wbytes, kv_read, kv_write, abytes + raw[5] * t, comm_b * t,
-                             "compute" if compute > memory else "memory")
+        return (gemm + attn + elem + comm + overhead, gemm, attn, elem, comm, overhead, compute, memory, flops,
+                wbytes, kv_read, kv_write, abytes + raw[5] * t, comm_b * t, "compute" if compute > memory else "memory")
 
     def _linear_terms(self, t: int, s: int) -> tuple[float, ...]:
         """(GEMM s, compute s, memory s, FLOPs, weight B, activation B, elementwise s) of a step over ``t`` tokens
@@ -254,12 +269,8 @@ class CostModel:
                     n_decode=n, decode_context_tokens=batch.decode_context_tokens + i * n,
                     decode_window_tokens=min(start + i * n, n * window) if window else None)).total_s
             return total
-        first = self.iteration_time(batch)
-        fpair, fkv, ftok = self._attn[:3]
-        ctx = batch.decode_context_tokens
-        c0, m0 = fpair * ctx, fkv * ctx + ftok * n
-        rest = first.total_s - max(c0, m0)  # everything but the full-attention roofline is constant
-        return steps * rest + _sum_max_lines(c0, fpair * n, m0, fkv * n, steps)
+        rest, c0, bc, m0, bm = self._decode_lines(batch)  # everything but the full-attention roofline is constant
+        return steps * rest + _sum_max_lines(c0, bc, m0, bm, steps)
 
     def decode_step_times(self, batch: BatchShape, steps: int) -> np.ndarray:
         """Seconds of each of ``steps`` successive pure-decode iterations (contexts growing by one per step).
@@ -278,12 +289,37 @@ class CostModel:
                 n_decode=n, decode_context_tokens=batch.decode_context_tokens + i * n,
                 decode_window_tokens=min(start + i * n, n * window) if window else None)).total_s
                 for i in range(steps)), float, count=steps)
-        first = self.iteration_time(batch)
-        fpair, fkv = self._attn[0], self._attn[1]
-        ctx = batch.decode_context_tokens
-        c0, m0 = fpair * ctx, fkv * ctx + self._attn[2] * n
+        rest, c0, bc, m0, bm = self._decode_lines(batch)
         i = np.arange(steps, dtype=float)
-        return (first.total_s - max(c0, m0)) + np.maximum(c0 + fpair * n * i, m0 + fkv * n * i)
+        lead = _leading_line(c0, bc, m0, bm, steps)
+        if lead is not None:  # the max of the two lines is that line, step by step: one line's vector
+            return rest + (lead[0] + lead[1] * i)
+        return rest + np.maximum(c0 + bc * i, m0 + bm * i)
+
+    def decode_step_ends(self, batch: BatchShape, steps: int, t0: float) -> np.ndarray:
+        """``t0 + cumsum(decode_step_times(batch, steps))``, the same floats: the ends of a span's steps. A short
+        span (most are) is summed in Python, cheaper than numpy's per-call overhead; one line, op for op."""
+        if steps > _PY_STEPS or self._attn[3] or steps <= 0 or batch.n_decode <= 0 or batch.n_prefill_seqs:
+            ends = self.decode_step_times(batch, steps).cumsum()
+            ends += t0
+            return ends
+        rest, c0, bc, m0, bm = self._decode_lines(batch)
+        lead = _leading_line(c0, bc, m0, bm, steps)
+        if lead is not None:
+            a, b = lead
+            times = [rest + (a + b * i) for i in range(steps)]
+        else:
+            times = [rest + max(c0 + bc * i, m0 + bm * i) for i in range(steps)]
+        return np.array([t + t0 for t in accumulate(times)])  # accumulate adds in order, as cumsum does
+
+    def _decode_lines(self, batch: BatchShape) -> tuple[float, float, float, float, float]:
+        """A full-attention pure-decode span's step i takes ``rest + max(c0 + bc·i, m0 + bm·i)`` seconds: the
+        attention roofline's two lines and everything else (constant); returns (rest, c0, bc, m0, bm)."""
+        n = batch.n_decode
+        fpair, fkv, ftok = self._attn[0], self._attn[1], self._attn[2]
+        ctx = batch.decode_context_tokens
+        c0, m0 = fpair * ctx, fkv * ctx + ftok * n
+        return self.step_time(batch) - max(c0, m0), c0, fpair * n, m0, fkv * n
 
     def layer_times(self, tokens: int) -> tuple[float, float]:
         """(GEMM s, elementwise s) of one dense attention + MLP layer over ``tokens``: what Vidur measured."""
@@ -370,6 +406,17 @@ def _all_reduce_terms(model: ModelSpec, tp: int, act_bytes: float, link: LinkSpe
     payload = model.hidden_size * act_bytes  # bytes per token
     fixed, per_byte = all_reduce_coefficients(tp, link, calib)
     return n_ar * fixed, n_ar * per_byte * payload, n_ar * payload * 2 * (tp - 1) / tp
+
+
+def _leading_line(a1: float, b1: float, a2: float, b2: float, steps: int) -> tuple[float, float] | None:
+    """The line (a, b) of the two that is clearly above the other at step 0 and at step ``steps`` − 1, hence at
+    every step in between, rounding included; None if they come close or cross."""
+    last = steps - 1
+    if a1 > a2 * _CLEAR and a1 + b1 * last > (a2 + b2 * last) * _CLEAR:
+        return a1, b1
+    if a2 > a1 * _CLEAR and a2 + b2 * last > (a1 + b1 * last) * _CLEAR:
+        return a2, b2
+    return None
 
 
 def _sum_line(a: float, b: float, start: int, stop: int) -> float:

@@ -8,10 +8,11 @@ already measured is better described by its own coefficients. A step takes
 where the sequences that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt
 that finishes in the step samples its first token; engines also compute a row of logits for a partial chunk)
 and decode KV is the sum of the decoders' context lengths. It offers the calls the replica makes of
-:class:`kvcap.sim.cost.CostModel` (``iteration_time``, ``decode_steps_time``, ``decode_step_times``, ``model``),
-with the pure-decode spans in closed form. It has no bytes or FLOPs: the breakdown puts the per-sequence and
-per-token terms under ``gemm_s``, the context term under ``attn_s``, ``base`` under ``overhead_s``, and calls every
-step compute-bound (there is no roofline to say otherwise).
+:class:`kvcap.sim.cost.CostModel` (``iteration_time``, ``step_time``, ``decode_steps_time``,
+``decode_step_times``, ``decode_step_ends``, ``model``), with the pure-decode spans in closed form. It has no
+bytes or FLOPs: the breakdown puts the per-sequence and per-token terms under ``gemm_s``, the context term under
+``attn_s``, ``base`` under ``overhead_s``, and calls every step compute-bound (there is no roofline to say
+otherwise).
 """
 
 from __future__ import annotations
@@ -54,6 +55,16 @@ class EmpiricalCost:
             raise ValueError("decode_step_times takes a pure-decode batch (no prefill chunks)")
         first, slope = self._decode_line(batch)
         return first + slope * np.arange(steps, dtype=float)
+
+    def step_time(self, batch: BatchShape) -> float:
+        """``iteration_time(batch).total_s``."""
+        return self.iteration_time(batch).total_s
+
+    def decode_step_ends(self, batch: BatchShape, steps: int, t0: float) -> np.ndarray:
+        """The ends of a span's steps: ``t0 + cumsum(decode_step_times(batch, steps))``."""
+        ends = self.decode_step_times(batch, steps).cumsum()
+        ends += t0
+        return ends
 
     def decode_steps_time(self, batch: BatchShape, steps: int) -> float:
         """Σ of :meth:`decode_step_times`, in closed form."""

@@ -13,6 +13,7 @@ are skipped), ``arrival`` (route and enqueue), ``link`` (the next transfer's byt
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,19 +100,22 @@ class Simulation:
         return [make(i) for i in rest] if make is not None else []
 
     def run_until(self, t_end: float, stop: Callable[[], bool] | None = None,
-                  on_time: Callable[[float], None] | None = None) -> None:
-        """Process events in time order up to ``t_end`` (``on_time`` sees the clock before each event)."""
+                  on_time: Callable[[float], None] | None = None, max_events: int | None = None) -> None:
+        """Process events in time order up to ``t_end`` (``on_time`` sees the clock before each event); stop early
+        once ``stop()`` holds or more than ``max_events`` events were processed (a count needs no call per event)."""
         heap = self.heap
+        heappop = heapq.heappop
         keys, n_fed = self._feed_keys, len(self._feed_keys)
+        cap = max_events if max_events is not None else math.inf
         while True:
-            if self._feed_pos < n_fed and keys[self._feed_pos] <= t_end and (
+            if n_fed and self._feed_pos < n_fed and keys[self._feed_pos] <= t_end and (
                     not heap or keys[self._feed_pos] <= heap[0][0]):
                 t = keys[self._feed_pos]
                 req = self._feed_make(self._feed_order[self._feed_pos])  # type: ignore[misc]
                 self._feed_pos += 1
                 kind, obj, version = "arrival", req, 0
             elif heap and heap[0][0] <= t_end:
-                t, _, kind, obj, version = heapq.heappop(heap)
+                t, _, kind, obj, version = heappop(heap)
             else:
                 return
             if on_time is not None:
@@ -135,7 +139,7 @@ class Simulation:
                 obj.on_done(t)
             elif kind == "call":
                 obj(t)
-            if stop is not None and stop():
+            if self.events > cap or (stop is not None and stop()):
                 return
 
     # ------------------------------------------------------------------ routing
@@ -148,7 +152,12 @@ class Simulation:
             return reps[self.rr]
         if self.routing == "kv_aware" and req.hashes:
             return max(reps, key=lambda r: (r.hbm.hit_blocks(req), -r.load(), -r.index))
-        return min(reps, key=lambda r: (r.load(), r.index))
+        best, least = reps[0], reps[0].load()
+        for rep in reps:  # the least loaded, the lowest index among equals (min by (load, index), without tuples)
+            load = rep.load()
+            if load < least:
+                best, least = rep, load
+        return best
 
     # ------------------------------------------------------------------ tiers
     def _order(self) -> list[str]:

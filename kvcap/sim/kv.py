@@ -22,13 +22,16 @@ class BlockPool:
     """One replica's HBM KV blocks. ``used`` counts private blocks and every allocated prefix block (referenced
     or only cached); cached ones are free to whoever needs them (:meth:`take` evicts them oldest first)."""
 
-    __slots__ = ("blocks_for", "capacity", "hash_block_tokens", "hash_blocks", "prefix_lru", "prefix_ref", "used")
+    __slots__ = ("block_size", "blocks_for", "capacity", "hash_block_tokens", "hash_blocks", "prefix_lru",
+                 "prefix_ref", "used")
 
     def __init__(self, capacity: int, block_size: int, hash_block_tokens: int,
                  blocks_for: Callable[[int], int] | None = None):
         self.capacity = capacity
         self.blocks_for: Callable[[int], int] = blocks_for or (lambda t, b=block_size: -(-t // b))
         """Blocks a sequence of T tokens needs (default ceil(T / block_size): full-attention models)."""
+        self.block_size = 0 if blocks_for else block_size
+        """Nonzero when ``blocks_for`` is ceil(T / block_size), so hot loops compute it inline."""
         self.hash_block_tokens = hash_block_tokens
         self.hash_blocks = self.blocks_for(hash_block_tokens) if hash_block_tokens else 0
         """Blocks one hashed prefix block occupies."""
@@ -44,7 +47,7 @@ class BlockPool:
         return len(self.prefix_lru) * self.hash_blocks
 
     def free(self) -> int:
-        return self.capacity - self.used + self.cached_blocks
+        return self.capacity - self.used + len(self.prefix_lru) * self.hash_blocks  # cached blocks are free
 
     def usage(self) -> float:
         """Fraction of the pool held by requests (cached prefixes count as free, as vLLM reports)."""
@@ -100,40 +103,43 @@ class BlockPool:
     def reserve_decode_steps(self, decoders: list[SimRequest], k: int, reserved: dict[int, int]) -> int:
         """Most decode steps (≤ k, ≥ 1) for which every decoder gets its blocks; reserves them."""
         free = self.free()
-        bf, hb = self.blocks_for, self.hash_blocks
-        # a decoder's blocks still to take for T tokens: max(0, private_need) = max(0, blocks_for(T) − held),
-        # held = its private blocks plus its shared prefix blocks (the same integers, without a call per step)
-        held = [(r.kv, r.blocks + len(r.shared) * hb if r.shared else r.blocks) for r in decoders]
-
-        def extra(steps: int) -> int:
-            total = 0
-            for kv, h in held:
-                more = bf(kv + steps) - h
-                if more > 0:
-                    total += more
-            return total
-
-        if k > 1 and extra(k) > free:
+        more = self._more_blocks(decoders, k)
+        if k > 1 and sum([m for m in more if m > 0]) > free:
             lo, hi = 1, k
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if extra(mid) <= free:
+                if sum([m for m in self._more_blocks(decoders, mid) if m > 0]) <= free:
                     lo = mid
                 else:
                     hi = mid - 1
             k = lo
-        for r, (kv, h) in zip(decoders, held):
-            more = bf(kv + k) - h
-            if more > 0:
-                self.take(more)
-                r.blocks += more
-                reserved[r.rid] = reserved.get(r.rid, 0) + more
+            more = self._more_blocks(decoders, k)
+        for r, m in zip(decoders, more):
+            if m > 0:
+                self.take(m)
+                r.blocks += m
+                reserved[r.rid] = reserved.get(r.rid, 0) + m
         return k
+
+    def _more_blocks(self, decoders: list[SimRequest], steps: int) -> list[int]:
+        """Per decoder, the blocks it still takes for ``steps`` more tokens (≤ 0: none): private_need without a
+        call per request, blocks_for(kv + steps) − held, held = its private plus its shared prefix blocks."""
+        bs, hb = self.block_size, self.hash_blocks
+        if bs:
+            return [-(-(r.kv + steps) // bs) - (r.blocks + len(r.shared) * hb if r.shared else r.blocks)
+                    for r in decoders]
+        bf = self.blocks_for
+        return [bf(r.kv + steps) - (r.blocks + len(r.shared) * hb if r.shared else r.blocks) for r in decoders]
 
     def return_unused(self, decoders: list[SimRequest], steps: int, reserved: dict[int, int]) -> None:
         """A span cut to ``steps``: each decoder gives back the reserved blocks those steps will not fill."""
+        bs = self.block_size
         for req in decoders:
-            excess = min(-self.private_need(req, req.kv + steps), reserved.get(req.rid, 0))
+            if bs and not req.shared:  # private_need inlined (the common case)
+                need = -(-(req.kv + steps) // bs) - req.blocks
+            else:
+                need = self.private_need(req, req.kv + steps)
+            excess = min(-need, reserved.get(req.rid, 0))
             if excess > 0:
                 self.give(excess)
                 req.blocks -= excess

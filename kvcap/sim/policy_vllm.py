@@ -96,8 +96,8 @@ class VllmPolicy:
         i = 0
         while i < len(running):
             req = running[i]
-            kv = req.kv
-            if req.out and kv >= req.prompt + req.out - 1:
+            kv, out = req.kv, req.out
+            if out and kv >= req.prompt + out - 1:
                 chunk = 1
             else:
                 chunk = min(req.target - kv, budget) if chunked else req.target - kv
@@ -106,24 +106,24 @@ class VllmPolicy:
                 continue
             if plain and not req.shared:  # the common case, inlined: ceil((kv + chunk) / block) - held
                 need = -(-(kv + chunk) // bs) - req.blocks
-                need = need if need > 0 else 0
             else:
-                need = max(0, hbm.private_need(req, kv + chunk))
-            lost = False
-            while need > 0 and not take(need):
-                victim = running[-1]
-                self._preempt(rep, victim, now, batch)
-                if victim is req or rep.stalled:
-                    lost = True
+                need = hbm.private_need(req, kv + chunk)
+            if need > 0:  # a block to take (only here can a preemption, hence a stall, happen)
+                lost = False
+                while not take(need):
+                    victim = running[-1]
+                    self._preempt(rep, victim, now, batch)
+                    if victim is req or rep.stalled:
+                        lost = True
+                        break
+                if rep.stalled:
                     break
-            if rep.stalled:
-                break
-            if lost:
-                continue  # req itself was preempted: the list shifted, index i is already the next one
-            req.blocks += need
-            reserved[req.rid] = need  # ≥ 0 on both paths above
+                if lost:
+                    continue  # req itself was preempted: the list shifted, index i is already the next one
+                req.blocks += need
+            reserved[req.rid] = need if need > 0 else 0
             budget -= chunk
-            if chunk == 1 and req.out:
+            if chunk == 1 and out:
                 decoders.append(req)
             else:
                 prefills.append((req, chunk))
@@ -208,10 +208,10 @@ class VllmPolicy:
     def _can_commit(self, rep: Replica, req: SimRequest) -> bool:
         """HBM room for this request's whole sequence, after the other decoders' promises, the prefills in
         progress and room to prefill the next waiting request (parking needs somewhere to compute KV)."""
-        prefilling = sum(r.blocks for r in rep.running if not r.out)
+        prefilling = sum([r.blocks for r in rep.running if not r.out])  # a list sums faster than a generator
         workspace = rep.hbm.blocks_for(rep.waiting[0].target) if rep.waiting else 0
         return rep.committed + rep.hbm.final_blocks(req) + prefilling + workspace <= rep.cfg.blocks
 
     def _growth_reserve(self, rep: Replica) -> int:
         """Blocks committed decoders will still allocate as they grow (not to be lent to prefills)."""
-        return max(0, rep.committed - sum(r.blocks for r in rep.running if r.committed))
+        return max(0, rep.committed - sum([r.blocks for r in rep.running if r.committed]))

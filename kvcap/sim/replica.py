@@ -84,6 +84,27 @@ class Span:
     """rid → blocks reserved for the planned steps (a cut span gives the excess back)."""
 
 
+def _mixed_shape(prefills: list[tuple[SimRequest, int]], decoders: list[SimRequest],
+                 window: int | None) -> BatchShape:
+    """``BatchShape.of`` for a step with prefill chunks (the same totals), summed in one pass over the requests
+    instead of through per-sequence lists; sliding-window models and empty chunks take ``of`` itself."""
+    if not window:
+        tokens = context = pairs = 0
+        for req, chunk in prefills:
+            if chunk <= 0:
+                break
+            kv = req.kv
+            tokens += chunk
+            context += kv
+            pairs += kv * chunk + chunk * (chunk + 1) // 2
+        else:
+            decode = 0
+            for req in decoders:
+                decode += req.kv
+            return BatchShape(tokens, len(prefills), context, float(pairs), len(decoders), decode)
+    return BatchShape.of(prefill=[(c, r.kv) for r, c in prefills], decode=[r.kv for r in decoders], window=window)
+
+
 class Replica:
     """One serving-engine instance (tp × pp GPUs) with its queues, KV pool and counters."""
 
@@ -110,6 +131,7 @@ class Replica:
         """HBM blocks promised to committed decoders at their full length (offload admission ``tiers``)."""
         self.parking = cfg.park_after_prefill
         self.running_peak = 0
+        self.window = cfg.cost.model.sliding_window
 
     # ------------------------------------------------------------------ what others read
     def kv_usage(self) -> float:
@@ -161,7 +183,7 @@ class Replica:
         ends = self.span.ends
         if ends.size <= 1 or not (force or self.policy.should_cut_span(self)):
             return
-        j = int(np.searchsorted(ends, now, side="left"))
+        j = int(ends.searchsorted(now, side="left"))
         if j >= ends.size - 1:
             return
         self._cut(j + 1)
@@ -190,24 +212,23 @@ class Replica:
 
     def _start(self, now: float, batch: Batch) -> None:
         cost = self.cfg.cost
-        window = cost.model.sliding_window
+        window = self.window
         decoders, prefills, reserved = batch.decoders, batch.prefills, batch.reserved
         if prefills:
-            shape = BatchShape.of(prefill=[(c, r.kv) for r, c in prefills], decode=[r.kv for r in decoders],
-                                  window=window)
-            ends = np.asarray([now + cost.iteration_time(shape).total_s])
+            end = now + cost.step_time(_mixed_shape(prefills, decoders, window))
+            ends = np.array((end,))
         else:
-            k = min(r.max_out - r.out for r in decoders)
+            k = min([r.max_out - r.out for r in decoders])
             if self.policy.admits_after_one_step(self):
                 k = 1  # something could be admitted next step (blocks free up only at a finish)
             if self.sim.max_span is not None:
                 k = min(k, self.sim.max_span)
             k = self.hbm.reserve_decode_steps(decoders, k, reserved)
-            ends = cost.decode_step_times(BatchShape.decode_only([r.kv for r in decoders], window), k).cumsum()
-            ends += now
+            ends = cost.decode_step_ends(BatchShape.decode_only([r.kv for r in decoders], window), k, now)
+            end = float(ends[-1])
         self.span = Span(t0=now, ends=ends, decoders=decoders, prefills=prefills, reserved=reserved)
         self.version += 1
-        self.sim.push(float(ends[-1]), "step", self, self.version)
+        self.sim.push(end, "step", self, self.version)
 
     # ------------------------------------------------------------------ a step (or span) ends
     def on_step(self, now: float) -> None:
@@ -234,13 +255,15 @@ class Replica:
         k = ends.size
         t = float(ends[-1])
         on_tokens = self.sim.on_tokens
-        gen = k * len(span.decoders)
-        for req in span.decoders:
+        decoders = span.decoders
+        gen = k * len(decoders)
+        for req in decoders:
             req.kv += k
             req.out += k
             req.chunks.append(ends)
             req.t_last = t
-            if on_tokens is not None:
+        if on_tokens is not None:  # serve-sim hands each its new tokens (it reads only that request)
+            for req in decoders:
                 on_tokens(req)
         completed: list[SimRequest] = []
         for req, chunk in span.prefills:

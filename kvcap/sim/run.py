@@ -108,27 +108,32 @@ def _ms(t_s: float | None) -> float | None:
 
 def record_of(req: SimRequest, offset: float, record_itl: bool = True, itl_array: bool = False) -> RequestRecord:
     """A finished simulated request as a ``rundir.RequestRecord`` (times in ms from its arrival). ``itl_array``:
-    the ITLs stay one numpy vector (``RunWriter`` serialises it as is) instead of a list of Python floats."""
+    the ITLs stay one numpy vector (``RunWriter`` serialises it as is) instead of a list of Python floats.
+
+    Built once per request, so as one dict literal (no update) and without ``round`` calls on the zeros most
+    requests carry (``round(0.0, 3)`` is ``0.0``: the same record)."""
     tags = req.tags
-    rec: RequestRecord = {"mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"],  # type: ignore[typeddict-item]
-                          "phase": tags["phase"], "worker": 0, "index": req.rid,
-                          "start_s": round(offset + req.arrival, 6)}
-    queue_ms = None if req.t_sched is None else _ms(req.t_sched - req.arrival)
+    arrival = req.arrival
+    queue_ms = None if req.t_sched is None else round((req.t_sched - arrival) * 1e3, 3)
     if req.error is not None or req.out < req.max_out:
-        rec.update({"end_s": round(offset + (req.t_last or req.arrival), 6), "send_delay_ms": 0.0, "ok": False,
-                    "error": req.error or "cancelled", "status": 400 if req.error == "http_4xx" else None,
-                    "input_tokens": req.prompt, "output_tokens": req.out, "requested_output_tokens": req.max_out,
-                    "tokens_source": "sim", "ttft_ms": None if req.t_first is None else _ms(req.t_first - req.arrival),
-                    "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "queue_ms": queue_ms,
-                    "finish_reason": None, "truncated": False, "early_stop": False, "retries": 0, "group": None})
-        return rec
+        return {"mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"], "phase": tags["phase"],
+                "worker": 0, "index": req.rid, "start_s": round(offset + arrival, 6),
+                "end_s": round(offset + (req.t_last or arrival), 6), "send_delay_ms": 0.0, "ok": False,
+                "error": req.error or "cancelled", "status": 400 if req.error == "http_4xx" else None,
+                "input_tokens": req.prompt, "output_tokens": req.out, "requested_output_tokens": req.max_out,
+                "tokens_source": "sim", "ttft_ms": _ms(None if req.t_first is None else req.t_first - arrival),
+                "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "queue_ms": queue_ms,
+                "finish_reason": None, "truncated": False, "early_stop": False, "retries": 0, "group": None}
     last = float(req.chunks[-1][-1])  # the last token's time (no need to join every token's for it)
     asked = tags.get(REQUESTED_OUT, req.max_out)  # more than max_out: a full slot context cut it short
-    ttft = (req.t_first - req.arrival) * 1e3  # type: ignore[operator]
-    e2e = (last - req.arrival) * 1e3
+    ttft = (req.t_first - arrival) * 1e3  # type: ignore[operator]
+    e2e = (last - arrival) * 1e3
     n = req.out
     tpot = tpot_ms(ttft, e2e, n)
-    rec.update({
+    parked, copy = req.parked_s, req.copy_s
+    return {
+        "mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"], "phase": tags["phase"],
+        "worker": 0, "index": req.rid, "start_s": round(offset + arrival, 6),
         "end_s": round(offset + last, 6), "send_delay_ms": 0.0, "ok": True, "error": None, "status": 200,
         "input_tokens": req.prompt, "output_tokens": n, "requested_output_tokens": asked,
         "tokens_source": "sim", "ttft_ms": round(ttft, 3), "tpot_ms": None if tpot is None else round(tpot, 3),
@@ -137,10 +142,9 @@ def record_of(req: SimRequest, offset: float, record_itl: bool = True, itl_array
         "queue_ms": queue_ms,
         "finish_reason": "length", "truncated": n < asked, "early_stop": False, "retries": 0, "group": None,
         "replica": req.replica, "preemptions": req.preemptions, "recomputed_tokens": req.recomputed,
-        "parked_ms": round(req.parked_s * 1e3, 3), "copy_ms": round(req.copy_s * 1e3, 3),
+        "parked_ms": round(parked * 1e3, 3) if parked else 0.0, "copy_ms": round(copy * 1e3, 3) if copy else 0.0,
         "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,
-    })
-    return rec
+    }
 
 
 def _itls(times: np.ndarray, as_array: bool) -> Any:
@@ -267,7 +271,8 @@ class Sampler:
         else:  # the previous sample's changed rows (now known to hold); this sample's are kept pending
             prev = self._last
             rows = [self._row(pts, i, v) | {HOLD: SAMPLE_S} for pts, i, v in self._pending]
-            self._pending = [(ts, i, v) for i, v in enumerate(values) if prev is None or prev[i] != v]
+            self._pending = ([(ts, i, v) for i, v in enumerate(values)] if prev is None else
+                             [(ts, i, v) for i, (v, p) in enumerate(zip(values, prev)) if p != v])
             self._last, self._last_ts = values, ts
         self.rows += len(rows)
         self.emit(rows)
@@ -387,7 +392,7 @@ class _LevelRun:
         (whatever is still in flight is recorded, never dropped, and nothing new is sent)."""
         sim = self.sim
         cap = self.drain_limit()
-        sim.run_until(cap, stop=lambda: sim.events > MAX_EVENTS, on_time=self.sampler.until)
+        sim.run_until(cap, on_time=self.sampler.until, max_events=MAX_EVENTS)
         if sim.events > MAX_EVENTS:
             raise InputError(f"simulation of level {self.level:g} exceeded {MAX_EVENTS:,} events: shorten "
                              "load.duration")
