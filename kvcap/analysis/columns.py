@@ -14,17 +14,16 @@ or many (the test compares them on every key of ``summary.json``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
 from kvcap.analysis.quantiles import counted_percentiles, percentiles
-from kvcap.rundir import gc_paused, read_jsonl
+from kvcap.rundir import CHUNK_BYTES, gc_paused, jsonl_chunks, read_jsonl
 
 Key = tuple[str, float]
 Window = tuple[float, float]
@@ -34,9 +33,6 @@ SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
 """The per-request latencies an SLO item can limit (``<metric>_ms``)."""
 ITL_EXACT_MAX = 2_000_000
 """ITL values per level kept as floats (16 MB); past it, counts per 1 µs value (exact order statistics)."""
-CHUNK_BYTES = 1 << 20
-"""Bytes of requests.jsonl parsed at once: its dicts are the read's peak memory (a 4 MB chunk of bench records
-held ~100 MB of them; 1 MB is as fast)."""
 _FLOATS = {"start": ("start_s", 0.0), "ttft": ("ttft_ms", np.nan), "tpot": ("tpot_ms", np.nan),
            "e2e": ("e2e_ms", np.nan), "end": ("end_s", np.nan), "out_tokens": ("output_tokens", 0.0),
            "in_tokens": ("input_tokens", 0.0), "queue": ("queue_ms", np.nan),
@@ -367,34 +363,6 @@ def _ranks(lens: np.ndarray) -> np.ndarray:
     return np.arange(total) - starts
 
 
-def _chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[list[dict[str, Any]]]:
-    """The file's complete lines as dicts, a chunk at a time; a torn last line or a corrupt line is skipped (as
-    ``rundir.read_jsonl`` does)."""
-    with open(path, "rb") as f:
-        tail = b""
-        while True:
-            block = f.read(size)
-            if not block:
-                return  # what is left in tail has no newline: a torn last line
-            block = tail + block
-            cut = block.rfind(b"\n")
-            if cut < 0:
-                tail = block
-                continue
-            tail = block[cut + 1:]
-            body = block[:cut]
-            try:  # one parse per chunk: the lines as one JSON array (a raw newline only ever ends a record)
-                recs = orjson.loads(b"[" + body.replace(b"\n", b",") + b"]")
-            except orjson.JSONDecodeError:  # a corrupt or empty line somewhere: this chunk line by line
-                recs = []
-                for ln in body.split(b"\n"):
-                    try:
-                        recs.append(orjson.loads(ln))
-                    except orjson.JSONDecodeError:
-                        continue
-            yield recs
-
-
 def columns_of(chunks: Iterable[list[dict[str, Any]]], windows: dict[Key, dict[int, Window]],
                itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, LevelArrays]:
     """Per (mode, level): its records' columns. ``windows``: the measured windows known up front, per repeat."""
@@ -428,7 +396,7 @@ def _fill(builders: dict[int, _Builder], chunks: Iterable[list[dict[str, Any]]],
 def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes: int = CHUNK_BYTES,
                  itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, LevelArrays]:
     """``requests.jsonl`` streamed into per-level columns (no dict per record kept)."""
-    return columns_of(_chunks(path, chunk_bytes) if path.exists() else (), windows, itl_exact_max)
+    return columns_of(jsonl_chunks(path, chunk_bytes) if path.exists() else (), windows, itl_exact_max)
 
 
 def records_columns(path: Path, windows: dict[Key, dict[int, Window]]) -> dict[Key, LevelArrays]:

@@ -23,7 +23,7 @@ from kvcap.specs.load import LIMIT_RULE
 def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Reader | None = None) -> dict[str, Any]:
     """``reader``: how records become per-level columns (default: streamed from ``requests.jsonl``)."""
     slo = slo if slo is not None else (run.manifest.get("slo") or {})
-    telemetry = dedupe_sources(run.telemetry())
+    telemetry = dedupe_sources(run.iter_telemetry())
     running, waiting = series(telemetry, "server.requests_running"), series(telemetry, "server.requests_waiting")
     parked = series(telemetry, "server.requests_parked")
     resident_series = add(running, parked) if parked else running

@@ -82,8 +82,9 @@ class Telemetry:
         self.meta: list[tuple[str, str, dict[str, Any]]] = []
         """(source, name, labels) of each series."""
         cols: list[tuple[list[Any], list[Any], list[Any]]] = []
+        done: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = []  # each series' fields, converted so far
         with gc_paused():
-            for r in rows:
+            for n, r in enumerate(rows, 1):
                 labels = r.get("labels") or {}
                 source, name = r.get("source"), r.get("name")
                 fast = (source, name, *labels.items())
@@ -95,15 +96,20 @@ class Telemetry:
                         i = ids[key] = len(cols)
                         self.meta.append((str(r.get("source", "")), str(r.get("name", "")), labels))
                         cols.append(([], [], []))
+                        done.append([])
                     seen[fast] = i
                 t, v, h = cols[i]
                 t.append(r.get("t_s"))
                 v.append(r.get("value"))
                 h.append(r.get(HOLD))
+                if n % CONVERT_EVERY == 0:  # as floats in arrays, not Python objects: memory ∝ rows × 24 B
+                    _convert(cols, done)
+        _convert(cols, done)
         self.t: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
-        for t, v, h in cols:
-            ta, va = _held_on_grid(_floats(t), _floats(v), _floats(h))
+        for parts in done:
+            t, v, h = (np.concatenate([p[k] for p in parts]) for k in range(3))
+            ta, va = _held_on_grid(t, v, h)
             self.t.append(ta)
             self.v.append(va)
         self.by_name: dict[str, list[int]] = defaultdict(list)
@@ -183,6 +189,21 @@ class Telemetry:
         return idx if node is None else [i for i in idx if self.meta[i][2].get("node") == node]
 
 
+CONVERT_EVERY = 65_536
+"""Rows read between conversions of the fields gathered so far into arrays."""
+
+
+def _convert(cols: list[tuple[list[Any], list[Any], list[Any]]],
+             done: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]) -> None:
+    """Each series' gathered fields as float arrays, the lists emptied for the next rows."""
+    for (t, v, h), parts in zip(cols, done):
+        if t:
+            parts.append((_floats(t), _floats(v), _floats(h)))
+            t.clear()
+            v.clear()
+            h.clear()
+
+
 def _floats(raw: list[Any]) -> np.ndarray:
     """A field's values as floats; absent or damaged ones NaN (the row is skipped where the field is needed)."""
     try:
@@ -249,7 +270,7 @@ def telemetry_of(rows: Telemetry | list[dict[str, Any]]) -> Telemetry:
     return rows if isinstance(rows, Telemetry) else Telemetry(rows)
 
 
-def dedupe_sources(rows: list[dict[str, Any]]) -> Telemetry:
+def dedupe_sources(rows: Iterable[dict[str, Any]]) -> Telemetry:
     """The run's telemetry with, per metric name, only the rows of the source kind (``metrics``, ``prometheus``,
     ``sim``) with most rows (counted on the grid: rows written on change are expanded first)."""
     return Telemetry(rows, dedupe=True)

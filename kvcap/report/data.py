@@ -140,7 +140,7 @@ def run_telemetry(run: RunDir | None) -> tuple[Rows, Rows] | None:
     if run is None:
         return None
     try:
-        return dedupe_sources(run.telemetry()), level_windows(run.levels())
+        return dedupe_sources(run.iter_telemetry()), level_windows(run.levels())
     except (OSError, ValueError):
         return None
 
