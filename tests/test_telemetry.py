@@ -270,3 +270,21 @@ def test_nic_utilisation_from_node_exporter_speed():
             {"name": "net.tx_bytes_s", "labels": {"device": "eth0"}, "value": 2e9},
             {"name": "net.rx_bytes_s", "labels": {"device": "lo"}, "value": 99e9}]
     assert nic_utilisation(rows) == 0.8  # the NIC with a known speed, not loopback
+
+
+def test_damaged_telemetry_rows_are_skipped_not_fatal(tmp_path):
+    """A row that is JSON but not an object, labels that are not a mapping, a value that is not a number, a torn
+    last line: each is skipped, and the good rows still make the series."""
+    from kvcap.rundir import RunDir
+
+    good = [{"t_s": float(t), "source": "metrics:x", "name": "server.requests_running", "labels": {"node": "a"},
+             "value": 3} for t in range(3)]
+    lines = [json.dumps(good[0]), "[1, 2]", json.dumps({"t_s": 1.5, "source": "metrics:x",
+                                                       "name": "server.requests_running", "labels": None,
+                                                       "value": "abc"}),
+             json.dumps(good[1]), json.dumps({"t_s": "x", "name": 5}), json.dumps(good[2])]
+    (tmp_path / "telemetry.jsonl").write_text("\n".join(lines) + '\n{"t_s": 9.0, "sou')
+    (tmp_path / "requests.jsonl").write_text("")
+    tel = dedupe_sources(RunDir(tmp_path).iter_telemetry())
+    assert series(tel, "server.requests_running") == [(0.0, 3.0), (1.0, 3.0), (2.0, 3.0)]
+    assert series(tel, "server.requests_running", node="a") == [(0.0, 3.0), (1.0, 3.0), (2.0, 3.0)]

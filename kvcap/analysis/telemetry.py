@@ -85,7 +85,11 @@ class Telemetry:
         done: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = []  # each series' fields, converted so far
         with gc_paused():
             for n, r in enumerate(rows, 1):
-                labels = r.get("labels") or {}
+                if not isinstance(r, dict):
+                    continue  # a line that is JSON but not a row (damaged file): skipped, as damaged values are
+                labels = r.get("labels")
+                if not isinstance(labels, dict):
+                    labels = {}
                 source, name = r.get("source"), r.get("name")
                 fast = (source, name, *labels.items())
                 i = seen.get(fast)
