@@ -272,22 +272,6 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """All complete lines; a torn or corrupt line (a killed writer's last) is skipped."""
-    if not path.exists():
-        return []
-    out: list[dict[str, Any]] = []
-    with open(path, "rb") as f, gc_paused():
-        for line in f:
-            if not line.endswith(b"\n"):
-                break
-            try:
-                out.append(_loads(line))
-            except _LOAD_ERRORS:
-                continue
-    return out
-
-
 CHUNK_BYTES = 1 << 20
 """Bytes of a JSONL file parsed at once: its dicts are a streamed read's peak memory (a 4 MB chunk of bench records
 held ~100 MB of them; 1 MB is as fast)."""
@@ -311,7 +295,9 @@ def jsonl_chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[list[dict[str,
             body = block[:cut]
             try:  # one parse per chunk: the lines as one JSON array (a raw newline only ever ends a record)
                 recs = _loads(b"[" + body.replace(b"\n", b",") + b"]")
-            except _LOAD_ERRORS:  # a corrupt or empty line somewhere: this chunk line by line
+                if len(recs) != body.count(b"\n") + 1:  # a line holding two values is not a line's record
+                    raise ValueError("not one value per line")
+            except ValueError:  # (JSON errors are ValueErrors) a corrupt or empty line: this chunk line by line
                 recs = []
                 for ln in body.split(b"\n"):
                     try:
@@ -319,6 +305,14 @@ def jsonl_chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[list[dict[str,
                     except _LOAD_ERRORS:
                         continue
             yield recs
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """All complete lines; a torn or corrupt line (a killed writer's last) is skipped."""
+    if not path.exists():
+        return []
+    with gc_paused():
+        return [r for chunk in jsonl_chunks(path) for r in chunk]
 
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:

@@ -190,3 +190,14 @@ def test_records_missing_fields_read_with_their_defaults(sim_dir, tmp_path):
         out.append(json.dumps(r) + "\n")
     (run / REQUESTS).write_text("".join(out))
     assert_same(build_summary(RunDir(run), reader=SMALL_CHUNKS), build_summary(RunDir(sim_dir)))
+
+
+def test_a_line_holding_two_values_is_skipped_by_both_readers(tmp_path):
+    """The chunked parse reads a chunk as one JSON array: a line like ``{..},{..}`` must not become two records
+    there while the line-by-line rule skips it (one reader, one rule)."""
+    from kvcap.rundir import jsonl_chunks
+
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"b": 2},{"c": 3}\n{"d": 4}\n{"e": 5')
+    assert read_jsonl(path) == [{"a": 1}, {"d": 4}]
+    assert [r for chunk in jsonl_chunks(path, size=7) for r in chunk] == [{"a": 1}, {"d": 4}]

@@ -33,33 +33,11 @@ def how(name: str) -> str:
 def expand_held(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows written on change back on their regular grid, in the order a full grid is written (by time, then by
     each series' first appearance), so every figure — means over samples, sums across replicas — is unchanged.
-    Rows without ``hold_s`` (real scrapes, old runs) pass through as they are."""
+    Rows without ``hold_s`` (real scrapes, old runs) pass through as they are. (``Telemetry`` does the expanding,
+    as arrays; this is its row view.)"""
     if not any(HOLD in r for r in rows):
         return rows
-    with gc_paused():  # a million fresh dicts, none cyclic
-        return _expand(rows)
-
-
-def _expand(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    order: dict[tuple[Any, ...], int] = {}
-    held: dict[tuple[Any, ...], tuple[dict[str, Any], float]] = {}
-    out: list[tuple[float, int, dict[str, Any]]] = []
-    for r in rows:
-        key = (r.get("source"), r.get("name"), *sorted((r.get("labels") or {}).items()))
-        i = order.setdefault(key, len(order))
-        t = float(r["t_s"])
-        if key in held:
-            prev, step = held.pop(key)
-            t0, k = float(prev["t_s"]), 1
-            while (ts := round(t0 + k * step, 6)) < t:
-                out.append((ts, i, {**prev, "t_s": ts}))
-                k += 1
-        clean = {k: v for k, v in r.items() if k != HOLD}
-        out.append((t, i, clean))
-        if HOLD in r:
-            held[key] = clean, float(r[HOLD])
-    out.sort()  # (time, series) is unique per row, so the rows themselves are never compared
-    return [r for _, _, r in out]
+    return Telemetry(rows).rows()
 
 
 Key = tuple[Any, ...]
@@ -145,19 +123,14 @@ class Telemetry:
         out.sort(key=lambda x: (x[0], x[1]))
         return [r for _, _, r in out]
 
-    def names(self) -> list[str]:
-        return [name for name, idx in self.by_name.items() if idx]
-
-    def label_values(self, label: str, name: str | None = None) -> set[Any]:
-        idx = self.by_name.get(name, []) if name is not None else [i for v in self.by_name.values() for i in v]
-        return {self.meta[i][2].get(label) for i in idx}
+    def label_values(self, label: str) -> set[Any]:
+        """Every value the kept series give ``label`` (None where a series has none)."""
+        return {self.meta[i][2].get(label) for idx in self.by_name.values() for i in idx}
 
     def selected(self, name: str, node: str | None = None) -> list[int]:
         """The series of ``name`` (one node's), in series order; network series without loopback unless it is
         all there is."""
-        idx = self.by_name.get(name, [])
-        if node is not None:
-            idx = [i for i in idx if self.meta[i][2].get("node") == node]
+        idx = self._of_node(name, node)
         if name.startswith("net.") and {self.meta[i][2].get("device") for i in idx} - set(LOOPBACK):
             idx = [i for i in idx if self.meta[i][2].get("device") not in LOOPBACK]
         return idx
@@ -189,6 +162,7 @@ class Telemetry:
         return None if best is None else round(best, 4)
 
     def _of_node(self, name: str, node: str | None) -> list[int]:
+        """The kept series of ``name``, or of ``name`` on one node."""
         idx = self.by_name.get(name, [])
         return idx if node is None else [i for i in idx if self.meta[i][2].get("node") == node]
 
