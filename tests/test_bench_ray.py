@@ -85,9 +85,12 @@ def test_two_nodes_match_one_process(cluster, server, tmp_path):
     placed = {(r["worker"], r["node_id"]) for r in recs}
     assert {w for w, _ in placed} == {0, 1} and {n for _, n in placed} == set(cluster.node_ids())
     assert len(placed) == 2 and all(r["host"] for r in recs)
-    for key in ("ttft_ms", "tpot_ms"):
-        assert ray_summary["levels"][0][key]["p50"] == pytest.approx(one["levels"][0][key]["p50"], abs=2.0), key
+    assert ray_summary["levels"][0]["tpot_ms"]["p50"] == pytest.approx(one["levels"][0]["tpot_ms"]["p50"], abs=2.0)
     assert ray_summary["levels"][0]["tpot_ms"]["p50"] == pytest.approx(10.0, abs=1.0)
+    # TTFT is one or two 10 ms steps (the phase of the arrival against the server's step), so its median may sit
+    # anywhere between: both runs within the truth's bounds, plus a few ms of client and loopback time
+    for summary in (ray_summary, one):
+        assert 10.0 <= summary["levels"][0]["ttft_ms"]["p50"] <= 20.0 + 5.0
     # both nodes share this host's monotonic clock: the true offset is 0, so it must lie within the uncertainty
     clock = run.manifest["clock"]["workers"]
     assert [c["worker"] for c in clock] == [0, 1]
