@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis.columns import ItlValues, read_columns, records_columns
+from kvcap.analysis.columns import ItlValues, columns_of, read_columns
 from kvcap.analysis.quantiles import percentiles
 from kvcap.analysis.stats import tokens_in_window
 from kvcap.analysis.summary import build_summary
@@ -30,6 +30,12 @@ from tests.servers import start_fake_server
 
 SLO = {"ttft_p95": 2000.0, "tpot_p95": 80.0}
 SMALL_CHUNKS = partial(read_columns, chunk_bytes=2048)
+
+
+def records_columns(path: Path, windows: dict) -> dict:
+    """The columns from every record read into memory first (``read_jsonl``, one chunk): the list path the
+    streaming reader must equal."""
+    return columns_of([read_jsonl(path)], windows)
 
 
 def sim_run(out: Path) -> Path:

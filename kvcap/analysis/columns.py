@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.quantiles import counted_percentiles, percentiles
-from kvcap.rundir import CHUNK_BYTES, gc_paused, jsonl_chunks, read_jsonl
+from kvcap.rundir import CHUNK_BYTES, gc_paused, jsonl_chunks
 
 Key = tuple[str, float]
 Window = tuple[float, float]
 Reader = Callable[[Path, dict[Key, dict[int, Window]]], dict[Key, "LevelArrays"]]
-"""Records → per-level columns, given the measured windows known up front (``read_columns``, ``records_columns``)."""
+"""Records → per-level columns, given the measured windows known up front (``read_columns``)."""
 SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
 """The per-request latencies an SLO item can limit (``<metric>_ms``)."""
 ITL_EXACT_MAX = 2_000_000
@@ -398,8 +398,3 @@ def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes:
     """``requests.jsonl`` streamed into per-level columns (no dict per record kept)."""
     return columns_of(jsonl_chunks(path, chunk_bytes) if path.exists() else (), windows, itl_exact_max)
 
-
-def records_columns(path: Path, windows: dict[Key, dict[int, Window]]) -> dict[Key, LevelArrays]:
-    """The same columns from every record read into memory first (``read_jsonl``, one chunk): the list path the
-    streaming one must equal."""
-    return columns_of([read_jsonl(path)], windows)
