@@ -3,8 +3,9 @@
 Reads the published measurements in ``data/vllm_measured.yaml`` (sources there), simulates each point
 with the same GPU, model, dtype, engine limits, lengths and load, and prints mean TTFT, TPOT, E2E and output
 throughput, measured vs simulated, with the error. Throughput and latencies are computed from the simulated
-records exactly as ``benchmark_serving.py`` does: total output tokens / (last completion − first send); E2E of
-the measured runs is derived as TTFT + TPOT × (mean output − 1).
+records exactly as ``benchmark_serving.py`` does: total output tokens / (last completion − first send); E2E on
+both sides is derived as the sources derive it, TTFT + TPOT × (mean output − 1). Each point is replayed as
+``benchmarks/calibration.py`` replays it (``kvcap.calibrate.published.replay``).
 
     .venv/bin/python benchmarks/sim_fidelity.py
 """
@@ -12,59 +13,42 @@ the measured runs is derived as TTFT + TPOT × (mean output − 1).
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcap.rundir import RunDir  # noqa: E402
-from kvcap.sim.run import SimConfig, run_sim  # noqa: E402
-from kvcap.specs.lengths import parse_length  # noqa: E402
+from kvcap.calibrate.published import PublishedSet, e2e_s, load_sets, replay  # noqa: E402
 from kvcap.specs.scenario import build_scenario  # noqa: E402
-from kvcap.workload.loadplan import LoadPlan  # noqa: E402
 
 
-def simulate(scenario: dict[str, Any], mode: str, level: float, requests: int | None) -> dict[str, float]:
-    sc = build_scenario(scenario, "fidelity")
-    if mode == "burst":  # N requests at once, nothing after: a closed loop of N with a quota of N
-        plan = LoadPlan(mode="concurrency", levels=(level,), warmup_s=0.0, duration_s=None, requests=int(level))
-    else:
-        plan = LoadPlan(mode="rate", levels=(level,), warmup_s=0.0, duration_s=None, requests=requests,
-                        arrival="poisson")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
-        run_sim(SimConfig(scenario=sc, plan=plan, out=out, record_itl=False))
-        recs = [r for r in RunDir(out).records() if r["ok"]]
-    start = min(r["start_s"] for r in recs)
-    end = max(r["end_s"] for r in recs)
-    out_tokens = sum(r["output_tokens"] for r in recs)
-    return {"ttft_ms": float(np.mean([r["ttft_ms"] for r in recs])),
-            "tpot_ms": float(np.mean([r["tpot_ms"] for r in recs if r["tpot_ms"] is not None])),
-            "e2e_ms": float(np.mean([r["e2e_ms"] for r in recs])),
-            "output_tok_s": out_tokens / (end - start), "mean_out": out_tokens / len(recs)}
+def simulate(s: PublishedSet, level: float) -> dict[str, float]:
+    """One point replayed as ``benchmarks/calibration.py`` replays it (``published.replay``: a burst as a quota of
+    N sent at once, a rate as the same request set at every rate, averaged over its replays), with the presets'
+    cost model."""
+    o = replay(s, build_scenario(s.scenario, "fidelity"), level)
+    assert o is not None, (s.name, level)
+    return {"ttft_ms": o.ttft_p50 * 1e3, "tpot_ms": o.tpot_p50 * 1e3,
+            "e2e_ms": e2e_s(o.ttft_p50, o.tpot_p50, o.output_tokens) * 1e3, "output_tok_s": o.throughput}
 
 
 def main() -> None:
-    data = yaml.safe_load((ROOT / "data" / "vllm_measured.yaml").read_text())
     errors: dict[str, list[float]] = {"ttft_ms": [], "tpot_ms": [], "e2e_ms": [], "output_tok_s": []}
     per_set: dict[str, dict[str, list[float]]] = {}
     print(f"{'set':26} {'level':>6} | {'TTFT ms meas/sim':>18} | {'TPOT ms meas/sim':>18} | {'E2E s meas/sim':>15} "
           f"| {'out tok/s meas/sim':>19}")
-    for s in data["sets"]:
-        out_mean = parse_length(s["scenario"]["workload"]["output_tokens"]).mean
-        for p in s["points"]:
-            sim = simulate(s["scenario"], s["load"]["mode"], float(p["level"]), s["load"].get("requests"))
+    for s in load_sets(ROOT / "data" / "vllm_measured.yaml"):
+        out_mean = s.lengths[1]
+        for p in s.points:
+            sim = simulate(s, p["level"])
             meas = dict(p)
             meas["e2e_ms"] = p["ttft_ms"] + p["tpot_ms"] * (out_mean - 1)
             for k in errors:
                 errors[k].append(sim[k] / meas[k] - 1)
-                per_set.setdefault(s["name"], {}).setdefault(k, []).append(sim[k] / meas[k] - 1)
-            print(f"{s['name']:26} {p['level']:>6g} | {meas['ttft_ms']:>8.0f} / {sim['ttft_ms']:<7.0f} | "
+                per_set.setdefault(s.name, {}).setdefault(k, []).append(sim[k] / meas[k] - 1)
+            print(f"{s.name:26} {p['level']:>6g} | {meas['ttft_ms']:>8.0f} / {sim['ttft_ms']:<7.0f} | "
                   f"{meas['tpot_ms']:>8.2f} / {sim['tpot_ms']:<7.2f} | {meas['e2e_ms'] / 1e3:>6.2f} / "
                   f"{sim['e2e_ms'] / 1e3:<6.2f} | {meas['output_tok_s']:>8.0f} / {sim['output_tok_s']:<8.0f}")
     print()

@@ -40,7 +40,9 @@ def test_closed_form_recovers_an_exact_step_model():
     cost, stderr, notes = closed_form(levels, slots=8)
     assert cost.base == pytest.approx(A, rel=1e-9)
     assert cost.per_decode == pytest.approx(B, rel=1e-9)
-    assert cost.per_prefill_token == pytest.approx(ppt, rel=1e-6)
+    # no TTFT line over the unqueued levels: c=1's excess starts half as prefill, half as the front end
+    assert cost.per_prefill_token == pytest.approx(ppt / 2, rel=1e-6)
+    assert cost.per_request == pytest.approx(ppt * 64 / 2, rel=1e-6)
     assert cost.per_context_token == 0.0 and "per_context_token not fitted" in notes[0]
     assert stderr["base"] == pytest.approx(0.0, abs=1e-12)
 
@@ -110,6 +112,10 @@ def test_calibrate_finds_the_step_and_slots_then_predicts_24_slots(profile8, tmp
     assert cost["per_decode"] == pytest.approx(B, rel=0.10)
     assert r["slots"] == 8 and r["fit"]["converged"]
     assert r["fit_error"]["tpot_p50"] < 2 and r["fit_error"]["throughput"] < 2
+    # the server's prefill is free (truth 0): c=1's TTFT beyond its step is the HTTP front end, which the closed
+    # loop's later levels (a step's wait from c=2) tell apart through the simulator — every level's TTFT p50 fits
+    assert cost["per_prefill_token"] * 64 < 0.1 * cost["per_request"] and cost["per_request"] > 0
+    assert all(abs(row["error_pct"]["ttft_p50"]) < 10 for row in r["table"]), r["table"]
     # an ordinary scenario file: what `kvcap sim` reads, with the calibration section beside it
     s = load_scenario(scenario)
     assert s.serving.max_num_seqs == 8 and s.serving.step_cost is not None
@@ -177,9 +183,15 @@ def test_closed_form_tells_the_front_end_from_prefill_when_a_closed_loop_starts_
     assert cost.per_prefill_token == pytest.approx(ppt, rel=1e-6)
     assert cost.per_request == pytest.approx(front, rel=1e-6)
     assert "per_request from TTFT over c=1, 2, 4, 8" in notes[-1]
-    # TTFT that does not follow the line (queueing, a desynchronised loop): all of it is prefill, as before
+    # TTFT that does not follow the line (a desynchronised loop): the lowest level's excess starts split in
+    # half, for the refinement to tell apart on every unqueued level through the simulator
     flat = [obs(c, A + B * c, A + B * c + ppt * 64 if c == 1 else 0.1) for c in (1, 2, 4, 8)]
     cost, _, notes = closed_form(flat, slots=8)
+    assert cost.per_request == pytest.approx(ppt * 64 / 2) and cost.per_prefill_token == pytest.approx(ppt / 2)
+    assert "through the simulator" in notes[-1]
+    # one unqueued level only (c=16 waits for the 8 slots): nothing to tell them apart, all of it is prefill
+    one = [obs(1, A + B, A + B + ppt * 64), obs(16, A + B * 8, 0.5)]
+    cost, _, notes = closed_form(one, slots=8)
     assert cost.per_request == 0.0 and cost.per_prefill_token == pytest.approx(ppt, rel=1e-6)
     assert "per_request not fitted" in notes[-1]
 

@@ -14,11 +14,13 @@ from kvcap.calibrate.published import (
     calibrate_and_predict,
     load_sets,
     observations,
+    rate_replay,
     rows,
     ttft_cached,
     ttft_floor_s,
 )
 from kvcap.errors import InputError
+from kvcap.specs.lengths import parse_length
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_measured.yaml"
 
@@ -95,3 +97,24 @@ def test_bad_published_file_is_one_line_input_error(tmp_path):
         load_sets(bad)
     with pytest.raises(InputError, match="need 2"):
         calibrate_and_predict(load_sets(DATA)[1], (1.0,))
+
+
+def test_a_rate_set_replays_one_request_set_with_the_distributions_mean_at_every_rate(sets):
+    """benchmark_serving.py sends the same 200 prompts at every rate, Poisson gaps scaled by 1 / rate: the replay
+    does too, with lengths at the distributions' quantiles (mean within 2% of the lognormal's, capped at 1,024)."""
+    s = sets["rtx4090-llama3-8b"]
+    one, thirty_two = rate_replay(s, 1.0), rate_replay(s, 32.0)
+    assert len(one) == len(thirty_two) == 200
+    assert [(r.input_tokens, r.output_tokens) for r in one] == [(r.input_tokens, r.output_tokens) for r in thirty_two]
+    assert [r.arrival_s / 32 for r in one] == pytest.approx([r.arrival_s for r in thirty_two])
+    outputs = [r.output_tokens for r in one]
+    assert sum(outputs) / 200 == pytest.approx(202, rel=0.02) and max(outputs) == 1024
+    assert one[-1].arrival_s == pytest.approx(199)  # the expected span of 200 arrivals at 1 req/s
+
+
+def test_quantile_lengths_carry_the_distributions_moments():
+    q = parse_length("lognormal:300,150").quantiles(1000)
+    assert q.mean() == pytest.approx(300, rel=0.01) and q.std() == pytest.approx(150, rel=0.05)
+    assert list(q) == sorted(q)
+    assert list(parse_length("uniform:3,9").quantiles(7)) == [3, 4, 5, 6, 7, 8, 9]
+    assert set(parse_length("64").quantiles(5)) == {64}

@@ -333,3 +333,21 @@ def test_sim_records_follow_the_one_record_schema(tmp_path):
     assert records and "mode" in REQUIRED_RECORD_FIELDS and "replica" in RECORD_FIELDS - REQUIRED_RECORD_FIELDS
     for r in records:
         assert REQUIRED_RECORD_FIELDS <= r.keys() <= RECORD_FIELDS, set(r) ^ RECORD_FIELDS
+
+
+def test_every_level_sends_the_same_request_lengths_and_repeats_draw_afresh(tmp_path):
+    """Request i has the same (input, output) lengths at every level, as bench sends one prompt set at every level:
+    levels then differ by load alone. A repeat draws its own set (the simulator's only run-to-run variation)."""
+    _, records = simulate(tmp_path, "lengths", workload__input_tokens="lognormal:512,256",
+                          workload__output_tokens="lognormal:64,32", load__rate=[2, 8], load__repeats=2,
+                          load__warmup="0s", load__duration="10s")
+    sets: dict[tuple[float, int], dict[int, tuple[int, int]]] = {}
+    for r in records:
+        sets.setdefault((r["level"], r["repeat"]), {})[r["index"]] = (r["input_tokens"], r["requested_output_tokens"])
+    for repeat in (0, 1):
+        low, high = sets[(2, repeat)], sets[(8, repeat)]
+        shared = sorted(set(low) & set(high))
+        assert len(shared) >= 10 and len({low[i] for i in shared}) > 5  # varied lengths, many requests in both
+        assert all(low[i] == high[i] for i in shared)
+    first = sorted(set(sets[(8, 0)]) & set(sets[(8, 1)]))
+    assert sum(sets[(8, 0)][i] != sets[(8, 1)][i] for i in first) > len(first) // 2

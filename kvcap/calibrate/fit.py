@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvcap.calibrate.observe import Observation, ServerFacts
-from kvcap.calibrate.simulate import StepCost, cost_from, cost_vector, key
+from kvcap.calibrate.simulate import COST_KEYS, StepCost, cost_from, cost_vector, key
 from kvcap.errors import InputError
 from kvcap.specs.scenario import ServingSpec
 
@@ -39,6 +39,11 @@ X_TOL = 5e-3
 F_TOL = 1e-6
 """…or its objective values (mean squared relative error) agree this closely: (0.1%)², the simulator's own
 sampling noise on a level's medians, below which the coefficients are not told apart."""
+NOISE_X = 0.05
+NOISE_F = 0.05
+"""…or the simplex spans under ``NOISE_X`` of each first estimate and its objective values agree within ``NOISE_F``
+of the best: it sits on the simulator's own roughness (a median moving by a step as a coefficient moves by
+0.1%), where wandering on tells the coefficients apart no better."""
 WORST_RMS = 0.5
 """A refined fit whose RMS relative error stays above this did not find the server."""
 
@@ -140,8 +145,12 @@ def prefill_and_overhead(obs: list[Observation], low: Observation, slots: int,
                          line: tuple[float, float, float]) -> tuple[float, float, str]:
     """(per_prefill_token, per_request, how) from TTFT. A closed loop of equal requests starts them together, so
     at c users one step carries c prompts: TTFT − step ≈ per_request + per_prefill_token·c·prompt, a line over
-    the unqueued levels of ``low``'s workload, believed when it explains each of them (:data:`LINE_FIT`); else
-    all of the lowest level's TTFT beyond its step is prefill and ``per_request`` stays 0 (not fitted)."""
+    the unqueued levels of ``low``'s workload, believed when it explains each of them (:data:`LINE_FIT`).
+    A closed loop out of lockstep breaks the line (a request sent as another finishes waits for the step that
+    just began, so from c = 2 TTFT holds a step more), but the simulator reproduces that wait: with two unqueued
+    levels or more, the lowest level's TTFT beyond its step starts half as prefill, half as ``per_request``, and
+    the refinement splits it on every unqueued level's TTFT. With fewer, all of it is prefill and
+    ``per_request`` stays 0 (not fitted)."""
     base, per_decode, per_ctx = line
 
     def beyond_step(o: Observation) -> float:
@@ -159,14 +168,30 @@ def prefill_and_overhead(obs: list[Observation], low: Observation, slots: int,
             return float(slope), float(intercept), (f"per_prefill_token and per_request from TTFT over "
                                                     f"c={', '.join(f'{o.level:g}' for o in same)}")
     rest = max(beyond_step(low), 0.0)
+    if len(same) >= 2 and rest > 0:
+        return (rest / 2 / max(low.input_tokens, 1.0), rest / 2, f"per_prefill_token and per_request from TTFT "
+                f"over c={', '.join(f'{o.level:g}' for o in same)} through the simulator (no line: the levels are "
+                "not in lockstep)")
     return (rest / max(low.input_tokens, 1.0), 0.0, f"per_prefill_token from TTFT at {low.label} "
-            f"({low.input_tokens:g} prompt tokens); per_request not fitted (no TTFT line over the unqueued levels)")
+            f"({low.input_tokens:g} prompt tokens); per_request not fitted (no TTFT over two unqueued levels)")
+
+
+OPEN_LOOP_ROOM = 0.5
+"""An open-loop level whose mean in-flight count stays under this share of the slots is far from saturation."""
+
+
+def arrival_bound(o: Observation, slots: int) -> bool:
+    """An open-loop level far below saturation: it delivers what was offered, so its throughput is the arrival
+    process's, not the server's — and on a run of a fixed request count it is the span of the arrivals and the
+    last request's time, a sample's accident. The fit leaves such a throughput out."""
+    return o.mode in ("rate", "trace") and o.in_flight is not None and o.in_flight <= OPEN_LOOP_ROOM * slots
 
 
 def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str, float], Observation],
                     slots: int, every_unqueued_ttft: bool = False) -> np.ndarray:
-    """The refinement's residuals: TPOT p50 and throughput everywhere, TTFT p50 at each workload's lowest load
-    (and at every closed-loop level that never queues when ``per_request`` is fitted: they tell it apart)."""
+    """The refinement's residuals: TPOT p50 everywhere, throughput wherever the server and not the arrivals set
+    it (:func:`arrival_bound`), TTFT p50 at each workload's lowest load (and at every closed-loop level that
+    never queues when ``per_request`` is fitted: they tell it apart)."""
     res: list[float] = []
     lowest: dict[tuple[str, float, float], Observation] = {}
     for o in measured:
@@ -179,7 +204,8 @@ def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str,
             res += [1.0, 1.0]
             continue
         res.append(s.tpot_p50 / o.tpot_p50 - 1)
-        res.append(s.throughput / o.throughput - 1 if o.throughput > 0 else 0.0)
+        if not arrival_bound(o, slots):
+            res.append(s.throughput / o.throughput - 1 if o.throughput > 0 else 0.0)
         if o is lowest[(o.mode, round(o.input_tokens), round(o.output_tokens))] or (
                 every_unqueued_ttft and o.mode == "concurrency" and o.level <= slots):
             res.append(s.ttft_p50 / o.ttft_p50 - 1)
@@ -197,7 +223,8 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 
         order = np.argsort(vals)
         pts, vals = [pts[i] for i in order], [vals[i] for i in order]
         spread = max(float(np.max(np.abs(p - pts[0]))) for p in pts[1:])
-        if spread < x_tol or vals[-1] - vals[0] < f_tol:
+        f_spread = vals[-1] - vals[0]
+        if spread < x_tol or f_spread < f_tol or (spread < NOISE_X and f_spread <= NOISE_F * vals[0]):
             return pts[0], vals[0], evals, True
         centre = np.mean(pts[:-1], axis=0)
         xr = centre + (centre - pts[-1])
@@ -227,12 +254,32 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 
 Simulator = Callable[[StepCost], dict[tuple[str, str, float], Observation]]
 
 
+ENGINE_TERMS = ("base", "per_decode", "per_context_token", "per_prefill_token")
+FIRST_TOKEN_TERMS = ("per_prefill_token", "per_request")
+
+
 def refine(obs: list[Observation], start: StepCost, slots: int, sim: Simulator,
            max_evals: int = MAX_EVALS) -> tuple[StepCost, int, bool, float]:
     """Nelder–Mead on the coefficients, each scaled by its first estimate (zeros stay zero: nothing to scale),
-    against the simulator; returns (cost, evaluations, converged, RMS relative error)."""
+    against the simulator; returns (cost, evaluations, converged, RMS relative error).
+
+    With a front end to tell from prefill (``per_request`` started above 0) it goes in two stages: the engine's
+    terms (the step's and prefill's) against TPOT, throughput and the lowest level's TTFT with ``per_request``
+    held, then the first-token terms (prefill, front end) against every unqueued level's TTFT with the step
+    held — the TTFT of a closed loop's busier levels carries the arrival's phase against the step, which should
+    split prefill from the front end, not bend the per-sequence cost."""
+    if start.per_request <= 0:
+        return _refine_terms(obs, start, slots, sim, COST_KEYS, False, max_evals)
+    step, e1, ok1, _ = _refine_terms(obs, start, slots, sim, ENGINE_TERMS, False, max_evals)
+    cost, e2, ok2, rms = _refine_terms(obs, step, slots, sim, FIRST_TOKEN_TERMS, True, max_evals)
+    return cost, e1 + e2, ok1 and ok2, rms
+
+
+def _refine_terms(obs: list[Observation], start: StepCost, slots: int, sim: Simulator, terms: tuple[str, ...],
+                  every_unqueued_ttft: bool, max_evals: int) -> tuple[StepCost, int, bool, float]:
+    """:func:`refine` over the named coefficients only (the others held at ``start``)."""
     x0 = np.array(cost_vector(start))
-    free = x0 > 0
+    free = (x0 > 0) & np.array([k in terms for k in COST_KEYS])
 
     def cost_of(z: np.ndarray) -> StepCost:
         x = x0.copy()
@@ -240,7 +287,7 @@ def refine(obs: list[Observation], start: StepCost, slots: int, sim: Simulator,
         return cost_from(x)
 
     def objective(z: np.ndarray) -> float:
-        r = relative_errors(obs, sim(cost_of(z)), slots, every_unqueued_ttft=start.per_request > 0)
+        r = relative_errors(obs, sim(cost_of(z)), slots, every_unqueued_ttft=every_unqueued_ttft)
         return float(np.mean(r * r))
 
     z, val, evals, converged = nelder_mead(objective, np.ones(int(free.sum())), max_evals=max_evals)

@@ -154,7 +154,9 @@ def _itls(times: np.ndarray, as_array: bool) -> Any:
 
 
 class _Lengths:
-    """Input/output lengths per request from the workload's distributions (seeded per level and repeat)."""
+    """Input/output lengths per request from the workload's distributions, seeded per repeat and not per level:
+    request i has the same lengths at every level (``bench`` sends the same prompt set at every level too), so
+    levels differ by load alone; repeats draw afresh (a simulator has no other run-to-run variation)."""
 
     def __init__(self, input_spec: int | str, output_spec: int | str, seed: tuple[int, ...]):
         self.i, self.o = parse_length(input_spec, "workload.input_tokens"), parse_length(output_spec,
@@ -309,7 +311,7 @@ class _LevelRun:
         self.sim = cm.build(on_finish=self.on_finish)
         self.sampler = Sampler(self.sim, offset, writer.telemetry, tuple(self.sim.tiers), thin=not full_telemetry)
         wl = cm.scenario.workload
-        self.lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, round(level * 1000), repeat))
+        self.lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, repeat))
         self.specs: list[tuple[float, int, int, Any]] = []
         """Open loop and trace: (arrival, input tokens, output tokens, hash ids) of every request."""
         self.last_measured: float | None = None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -41,6 +42,23 @@ class LengthDist:
         else:  # lognormal parameterised by its own mean and sd (not the underlying normal's)
             sigma2 = np.log1p((self.b / self.a) ** 2)
             x = rng.lognormal(np.log(self.a) - sigma2 / 2, np.sqrt(sigma2), size=n)
+        return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+
+    def quantiles(self, n: int) -> np.ndarray:
+        """``n`` lengths at the probabilities (i + ½) / n, in increasing order: a sample with no sampling noise in
+        its mean or spread, for replaying a run of known size whose exact lengths are not known."""
+        p = (np.arange(n) + 0.5) / n
+        if self.kind == "fixed":
+            x = np.full(n, self.a)
+        elif self.kind == "uniform":
+            x = np.floor(self.a + (self.b - self.a + 1) * p)
+        else:
+            z = np.array([NormalDist().inv_cdf(float(q)) for q in p])
+            if self.kind == "normal":
+                x = self.a + self.b * z
+            else:
+                sigma2 = np.log1p((self.b / self.a) ** 2)
+                x = np.exp(np.log(self.a) - sigma2 / 2 + np.sqrt(sigma2) * z)
         return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
 
 
