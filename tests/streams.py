@@ -165,13 +165,38 @@ class LoopLag:
 
 
 T = TypeVar("T")
+WAKE_MS = 1.0
+"""Extra round-trip time of a request to an idle server (both processes asleep) above which the host cannot
+deliver a 2 ms timing truth: each token crosses two such wake-ups (a VM whose idle vCPUs halt: 1–2.3 ms)."""
+
+
+async def idle_wake_ms(url: str, idle_s: float = 0.05, n: int = 5) -> float:
+    """Median extra time of a ``/health`` round trip after ``idle_s`` of quiet over one made right after another:
+    what waking an idle server and client costs on this host."""
+    async with session() as s:
+        async def rtt() -> float:
+            t = time.perf_counter()
+            async with s.get(url + "/health") as r:
+                await r.read()
+            return time.perf_counter() - t
+
+        await rtt()
+        hot, cold = [], []
+        for _ in range(n):
+            hot.append(await rtt())
+            await asyncio.sleep(idle_s)
+            cold.append(await rtt())
+    hot.sort()
+    cold.sort()
+    return (cold[n // 2] - hot[n // 2]) * 1e3
 
 
 async def truth_check(srv: FakeServer, measure: Callable[[], Awaitable[T]], check: Callable[[T], None],
                       attempts: int = 3) -> T:
     """Measure, then check timing against truth. A failure on a healthy host fails the test at once; a failure
-    while the host was starved (server timers > 5 ms late, or this loop lagging > 5 ms) is retried, and if every
-    attempt was starved the test is skipped: the truth was never delivered, so it cannot be judged."""
+    while the host was starved (server timers > 5 ms late, this loop lagging > 5 ms, or idle processes taking
+    over :data:`WAKE_MS` to wake) is retried, and if every attempt was starved the test is skipped: the truth
+    was never delivered, so it cannot be judged."""
     why: list[str] = []
     for _ in range(attempts):
         before = srv.stats()["timer"]["late_over_5ms"]
@@ -182,9 +207,11 @@ async def truth_check(srv: FakeServer, measure: Callable[[], Awaitable[T]], chec
             check(data)
             return data
         except AssertionError:
-            if late == 0 and lag.max_s <= 0.005:
+            wake = await idle_wake_ms(srv.url) if late == 0 and lag.max_s <= 0.005 else 0.0
+            if late == 0 and lag.max_s <= 0.005 and wake <= WAKE_MS:
                 raise
-            why.append(f"{late} server wake-ups > 5 ms late, client loop lag {lag.max_s * 1e3:.1f} ms")
+            why.append(f"{late} server wake-ups > 5 ms late, client loop lag {lag.max_s * 1e3:.1f} ms, "
+                       f"idle wake-up {wake:.2f} ms")
     pytest.skip("host too loaded to check timing truth: " + "; ".join(why))
 
 
