@@ -6,9 +6,12 @@ that term apart), a relative-error least squares whose covariance gives each coe
 first step of a lone request (c=1, else the lowest load) carries its prompt, so TTFT − step there ≈
 per_prefill_token·prompt (no standard error: one level gives it).
 Then refined through the simulator itself (a small Nelder–Mead on the coefficients, bounded in evaluations):
-it minimises the relative errors of TPOT p50 and throughput at every fitted level and of TTFT p50 at the
-lowest-load level of each workload — TTFT under load is mostly queueing, which the limits, not the step cost,
-decide (and a closed loop's arrival phase against the step boundary, which no step cost should absorb).
+it minimises the relative errors of TPOT p50 at every fitted level, of throughput where the server sets it (not
+an open loop far below saturation: there it is the arrivals'), and of TTFT p50 at the lowest-load level of each
+workload — TTFT under load is mostly queueing, which the limits, not the step cost, decide, and a closed loop's
+busier levels hold the arrival's phase against the step. That phase is what tells the front end
+(``per_request``) from prefill, so when both are to be fitted a second stage refines those two on every
+unqueued level's TTFT with the step terms held (they must not bend to it).
 """
 
 from __future__ import annotations
