@@ -50,14 +50,14 @@ def test_a100_held_out_errors_are_the_printed_ones(a100):
     move a little with float rounding); E2E and throughput within 10% at every predicted burst, TPOT at all but
     N=200."""
     err = by_level(rows(a100))
-    printed = {30: (2.6, 9.0, -8.2), 50: (-4.1, -6.5, 7.3), 100: (-6.5, -6.1, 7.7), 200: (-12.8, -1.6, 3.3)}
+    printed = {30: (2.6, 9.0, -8.2), 50: (-4.4, -6.7, 7.6), 100: (-7.1, -6.6, 8.2), 200: (-13.6, -2.3, 4.0)}
     for level, (tpot, e2e, thr) in printed.items():
         got = err[float(level)]
         assert got["tpot"] == pytest.approx(tpot, abs=1.0), (level, got)
         assert got["e2e"] == pytest.approx(e2e, abs=1.0), (level, got)
         assert got["throughput"] == pytest.approx(thr, abs=1.0), (level, got)
         assert abs(got["e2e"]) < 10 and abs(got["throughput"]) < 10
-    assert err[100.0]["ttft"] == pytest.approx(-3.6, abs=1.5)
+    assert err[100.0]["ttft"] == pytest.approx(-3.2, abs=1.5)
 
 
 def test_prefix_cached_ttfts_are_told_by_the_prefill_floor(sets, a100):
@@ -87,7 +87,7 @@ def test_what_if_a_quarter_of_the_kv_pool(sets):
         assert all(abs(err[level][m]) < 10 for m in ("tpot", "e2e", "throughput")), (level, err[level])
     for level in (100.0, 200.0):
         assert abs(err[level]["ttft"]) < 10, (level, err[level])
-    assert err[200.0]["throughput"] == pytest.approx(8.4, abs=1.0)
+    assert err[200.0]["throughput"] == pytest.approx(8.6, abs=1.0)
 
 
 def test_bad_published_file_is_one_line_input_error(tmp_path):
