@@ -69,6 +69,24 @@ def test_slots_from_the_server_then_telemetry_then_the_throughput_plateau():
     assert estimate_slots(no_telemetry, ServerFacts()) == (8, "throughput plateau from c=8")
 
 
+def rate_obs(rate: float, tpot: float, thr: float, in_flight: float) -> Observation:
+    return Observation(run="r", mode="rate", level=rate, ttft_p50=0.05, ttft_p95=0.05, tpot_p50=tpot,
+                       tpot_p95=tpot, throughput=thr, input_tokens=64, output_tokens=32, in_flight=in_flight)
+
+
+def test_slots_from_an_open_loop_that_queued_without_telemetry():
+    # 8 slots at 25 ms a token decode 320 tok/s; offered more, the rest wait: in flight far above what decodes
+    below = rate_obs(5, 0.016, 135.0, 2.2)
+    past = [rate_obs(20, 0.025, 320.0, 100.0), rate_obs(40, 0.025, 321.0, 180.0)]
+    slots, source = estimate_slots([below, *past], ServerFacts())
+    assert slots == 8 and "rate=20, rate=40" in source
+    # the throughput plateau alone (a level whose queue had not grown yet) says the same
+    early = [below, rate_obs(20, 0.025, 320.0, 9.0), rate_obs(40, 0.025, 321.0, 9.5)]
+    assert estimate_slots(early, ServerFacts())[0] == 8
+    # an open loop below capacity decodes what it holds: only a lower bound, the engine default stays
+    assert estimate_slots([below, rate_obs(10, 0.018, 270.0, 4.9)], ServerFacts())[0] == 256
+
+
 def test_nelder_mead_finds_a_minimum_and_says_when_it_ran_out():
     x, _, _, converged = nelder_mead(lambda z: float(np.sum((z - [2.0, -1.0]) ** 2)), np.zeros(2), max_evals=400)
     assert converged and x == pytest.approx([2.0, -1.0], abs=0.01)
@@ -114,7 +132,9 @@ def test_calibrate_finds_the_step_and_slots_then_predicts_24_slots(profile8, tmp
     assert r["fit_error"]["tpot_p50"] < 2 and r["fit_error"]["throughput"] < 2
     # the server's prefill is free (truth 0): c=1's TTFT beyond its step is the HTTP front end, which the closed
     # loop's later levels (a step's wait from c=2) tell apart through the simulator — every level's TTFT p50 fits
-    assert cost["per_prefill_token"] * 64 < 0.1 * cost["per_request"] and cost["per_request"] > 0
+    # (free at this resolution: under 0.5 ms for the 64-token prompt, 2.5% of the 20 ms step; the front end on
+    # loopback is 0.5–4 ms from run to run, so a ratio between the two flaked)
+    assert cost["per_prefill_token"] * 64 < 0.5e-3 and cost["per_request"] > 0
     assert all(abs(row["error_pct"]["ttft_p50"]) < 10 for row in r["table"]), r["table"]
     # an ordinary scenario file: what `kvcap sim` reads, with the calibration section beside it
     s = load_scenario(scenario)
@@ -148,6 +168,23 @@ def test_holdout_reports_the_error_on_levels_left_out(profile8, tmp_path):
     assert yaml.safe_load(out.read_text())["calibration"]["holdout_error_pct"] == r["holdout_error"]
     text = run_cli("calibrate", str(profile8), "--out", str(out), "--holdout", "8")
     assert text.returncode == 0 and "c=8 (held out)" in text.stdout and "held-out error" in text.stdout
+
+
+def test_a_rate_profile_past_the_slots_without_telemetry_predicts_the_rate_held_out(tmp_path):
+    """A server with no /metrics, benched at fixed rates past its 8 slots: the slots come from what decoded at
+    once where requests queued, and the highest rate, held out, is predicted — throughput and TPOT at the
+    server's ceiling, TTFT as the queue the run built (before: 256 slots assumed, throughput +288%, TTFT −99%)."""
+    run = tmp_path / "rate"
+    with start_fake_server(slots=8, step_a="10ms", step_b="2ms") as srv:
+        proc = run_cli("bench", "--url", srv.url, "--out", str(run), "--quiet", *LENGTHS, "--rate", "5,20,40",
+                       "--warmup", "1s", "--duration", "4s", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = calibrate_json(str(run), "--out", str(tmp_path / "rate.yaml"), "--holdout", "40")
+    assert r["slots"] == 8 and "open loop queued" in r["slots_source"]
+    held = next(row for row in r["table"] if row["held_out"])
+    assert abs(held["error_pct"]["throughput"]) < 10, held
+    assert abs(held["error_pct"]["tpot_p50"]) < 10, held
+    assert abs(held["error_pct"]["ttft_p50"]) < 20, held
 
 
 def test_one_level_is_refused_naming_what_is_missing(tmp_path):

@@ -82,11 +82,40 @@ def estimate_slots(obs: list[Observation], facts: ServerFacts) -> tuple[int, str
         if any((o.kv_usage_max or 0.0) >= KV_FULL for o in obs):
             return m, "telemetry server.requests_running max (with the KV usage at 100%)"
         return max(m, DEFAULT_SLOTS), never.format(m)
+    full = queued_open_loop(obs)
+    if full:
+        return max(1, round(max(decoding(o) for o in full))), (
+            "sequences decoding at once (throughput × TPOT p50) where the open loop queued: "
+            + ", ".join(o.label for o in full))
     closed = sorted((o for o in obs if o.mode == "concurrency"), key=lambda o: o.level)
     for lo, hi in itertools.pairwise(closed):
         if hi.throughput < lo.throughput * PLATEAU_GAIN:
             return int(lo.level), f"throughput plateau from c={lo.level:g}"
     return max(round(top), DEFAULT_SLOTS), never.format(round(top))
+
+
+QUEUED = 2.0
+"""An open-loop level holding this many times the requests it decodes (plus one) was queueing: its requests
+waited before their prefill, not in it (a prompt takes a step or a few, a decode the rest of the request)."""
+
+
+def decoding(o: Observation) -> float:
+    """Sequences decoding at once, by Little's law on the decode phase: output tokens/s × seconds per token."""
+    return o.throughput * o.tpot_p50
+
+
+def queued_open_loop(obs: list[Observation]) -> list[Observation]:
+    """Open-loop levels where the server was full: more in flight than decoding by :data:`QUEUED`, or a rate
+    whose throughput stopped growing below a higher offered rate of the same workload (the slots, or the KV pool
+    for these lengths, were taken; in both cases the decoding count is the limit the simulator must hold)."""
+    rates = sorted((o for o in obs if o.mode == "rate"), key=lambda o: o.level)
+    full = [o for o in obs if o.mode in ("rate", "trace") and o.in_flight is not None
+            and o.in_flight >= QUEUED * decoding(o) + 1]
+    for lo, hi in itertools.pairwise(rates):
+        same = (round(lo.input_tokens), round(lo.output_tokens)) == (round(hi.input_tokens), round(hi.output_tokens))
+        if same and hi.throughput < lo.throughput * PLATEAU_GAIN:
+            full += [o for o in (lo, hi) if o not in full]
+    return full
 
 
 def batch(o: Observation, slots: int) -> float:
