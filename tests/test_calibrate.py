@@ -16,6 +16,7 @@ import yaml
 
 from kvcap.calibrate.fit import closed_form, estimate_slots, fit, nelder_mead
 from kvcap.calibrate.observe import Observation, ServerFacts
+from kvcap.calibrate.pipeline import misfits
 from kvcap.errors import InputError
 from kvcap.specs.scenario import load_scenario
 from tests.conftest import run_cli
@@ -85,6 +86,17 @@ def test_slots_from_an_open_loop_that_queued_without_telemetry():
     assert estimate_slots(early, ServerFacts())[0] == 8
     # an open loop below capacity decodes what it holds: only a lower bound, the engine default stays
     assert estimate_slots([below, rate_obs(10, 0.018, 270.0, 4.9)], ServerFacts())[0] == 256
+
+
+def test_a_fitted_level_the_scenario_misses_is_said_out_loud():
+    def row(level: float, held: bool, **err: float) -> dict:
+        return {"mode": "rate", "level": level, "held_out": held,
+                "error_pct": {"throughput": 1.0, "ttft_p50": 2.0, "tpot_p50": -3.0, **err}}
+
+    rows = [row(5, False), row(20, False, throughput=115.4, ttft_p50=-99.2), row(40, True, throughput=300.0)]
+    assert misfits(rows) == ["the calibrated scenario misses fitted level rate=20 (throughput +115%, ttft_p50 -99%): "
+                             "its predictions carry at least that error; see the fit table"]
+    assert misfits([row(5, False, tpot_p50=-24.9)]) == []  # within 25%; a held-out level is the held-out error's
 
 
 def test_nelder_mead_finds_a_minimum_and_says_when_it_ran_out():
@@ -181,6 +193,7 @@ def test_a_rate_profile_past_the_slots_without_telemetry_predicts_the_rate_held_
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = calibrate_json(str(run), "--out", str(tmp_path / "rate.yaml"), "--holdout", "40")
     assert r["slots"] == 8 and "open loop queued" in r["slots_source"]
+    assert r["warnings"] == []  # every fitted level reproduced within 25%
     held = next(row for row in r["table"] if row["held_out"])
     assert abs(held["error_pct"]["throughput"]) < 10, held
     assert abs(held["error_pct"]["tpot_p50"]) < 10, held

@@ -102,6 +102,11 @@ def write_scenario(path: Path, base: dict[str, Any], calibration: dict[str, Any]
     return data
 
 
+def row_label(row: dict[str, Any]) -> str:
+    """A table row's level as the tables print it: c=8, rate=4, trace=1."""
+    return f"c={row['level']:g}" if row["mode"] == "concurrency" else f"{row['mode']}={row['level']:g}"
+
+
 def render_table(rows: list[dict[str, Any]], title: str) -> None:
     from rich.table import Table
 
@@ -114,6 +119,5 @@ def render_table(rows: list[dict[str, Any]], title: str) -> None:
         for m in METRICS:
             sim, err = r["simulated"][m], r["error_pct"][m]
             cells.append(f"{r['measured'][m]:.1f} / " + ("–" if sim is None else f"{sim:.1f} ({err:+.1f}%)"))
-        name = f"c={r['level']:g}" if r["mode"] == "concurrency" else f"{r['mode']}={r['level']:g}"
-        t.add_row(name + (" (held out)" if r["held_out"] else ""), *cells)
+        t.add_row(row_label(r) + (" (held out)" if r["held_out"] else ""), *cells)
     make_console().print(t)

@@ -13,6 +13,7 @@ from kvcap.calibrate.output import (
     engine_of,
     kv_tokens_of,
     measured_load,
+    row_label,
     table_rows,
     write_scenario,
 )
@@ -64,7 +65,29 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     fit_error = summary_errors([r for r in rows if not r["held_out"]])
     holdout_error = summary_errors([r for r in rows if r["held_out"]]) if held else None
     section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
+    section["warnings"] = misfits(rows)
     write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")
     return {"scenario": str(out), "engine": profile, "slots": result.slots, "slots_source": result.slots_source,
             "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": section["coefficients"],
-            "fit": section["fit"], "table": rows, "fit_error": fit_error, "holdout_error": holdout_error}
+            "fit": section["fit"], "table": rows, "fit_error": fit_error, "holdout_error": holdout_error,
+            "warnings": section["warnings"]}
+
+
+MISFIT_PCT = 25.0
+"""A fitted level the calibrated scenario misses by more than this (throughput, TTFT or TPOT p50) is said out
+loud: the refinement weighs only some metrics at some levels, and a scenario that cannot reproduce the runs it
+came from should not pass silently."""
+
+
+def misfits(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per fitted level and metric past :data:`MISFIT_PCT`."""
+    out = []
+    for r in rows:
+        if r["held_out"]:
+            continue
+        bad = [f"{m} {e:+.0f}%" for m in ("throughput", "ttft_p50", "tpot_p50")
+               if (e := r["error_pct"].get(m)) is not None and abs(e) > MISFIT_PCT]
+        if bad:
+            out.append(f"the calibrated scenario misses fitted level {row_label(r)} ({', '.join(bad)}): its predictions "
+                       "carry at least that error; see the fit table")
+    return out

@@ -54,6 +54,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     values = ",".join(x for x in parts if x != "trace")
     holdout = common.parse_levels(values, "--holdout", False) if values else ()
     result = calibrate(list(a.runs), Path(a.out), a.engine, holdout, a.model, a.gpu, holdout_trace=trace)
+    common.print_notes("calibrate", result)
     if a.json:
         common.print_json(result)
         return 0
