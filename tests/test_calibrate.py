@@ -16,6 +16,7 @@ import yaml
 
 from kvcap.calibrate.fit import closed_form, estimate_slots, fit, nelder_mead
 from kvcap.calibrate.observe import Observation, ServerFacts
+from kvcap.calibrate.output import measured_load
 from kvcap.calibrate.pipeline import misfits
 from kvcap.errors import InputError
 from kvcap.specs.scenario import load_scenario
@@ -97,6 +98,15 @@ def test_a_fitted_level_the_scenario_misses_is_said_out_loud():
     assert misfits(rows) == ["the calibrated scenario misses fitted level rate=20 (throughput +115%, ttft_p50 -99%): "
                              "its predictions carry at least that error; see the fit table"]
     assert misfits([row(5, False, tpot_p50=-24.9)]) == []  # within 25%; a held-out level is the held-out error's
+
+
+def test_the_scenarios_load_holds_every_level_when_prompt_lengths_vary():
+    # a length distribution gives each level its own mean prompt: still one load, every level of it (before: only
+    # the levels that happened to share a rounded mean, so a what-if ran at c = 4, 8 of a 1 … 16 profile)
+    levels = [obs(c, 0.03, 0.05, n_in=n) for c, n in ((1, 171.2), (2, 175.4), (4, 168.0), (8, 173.1), (16, 172.6))]
+    section = measured_load(levels, 0.03)
+    assert section["load"]["concurrency"] == [1, 2, 4, 8, 16]
+    assert section["workload"] == {"input_tokens": 172, "output_tokens": 32}
 
 
 def test_nelder_mead_finds_a_minimum_and_says_when_it_ran_out():

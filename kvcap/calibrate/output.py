@@ -85,11 +85,18 @@ def calibration_section(runs: list[str], result: Fit, engine: str, kv_source: st
 def measured_load(obs: list[Observation], tpot_s: float) -> dict[str, Any]:
     """The workload and load the runs measured (the group with the most levels), so the calibrated scenario runs
     as is: ``kvcap sim calibrated.yaml`` and ``kvcap ab calibrated.yaml --treatment …`` need no load flags."""
-    grouped = {g: members for g, members in groups(obs).items() if g[0] != "trace"}  # a trace has no load keys
-    if not grouped:
+    by_load: dict[tuple[Any, ...], list[Observation]] = {}
+    for g, members in groups(obs).items():
+        if g[0] != "trace":  # a trace has no load keys
+            by_load.setdefault((g[0], g[3], g[4]), []).extend(members)
+    if not by_load:
         return {}
-    main = max(grouped, key=lambda g: len(grouped[g]))
-    return group_sections(main, [o.level for o in grouped[main]], tpot_s)
+    # levels of one load shape whose measured mean lengths differ (a length distribution: each level's sample
+    # mean is its own) are one load: all their levels, at the lengths they share on average
+    (mode, arrival, window), members = max(by_load.items(), key=lambda kv: len({o.level for o in kv[1]}))
+    n_in = max(1, round(sum(o.input_tokens for o in members) / len(members)))
+    n_out = max(1, round(sum(o.output_tokens for o in members) / len(members)))
+    return group_sections((mode, n_in, n_out, arrival, window), sorted({o.level for o in members}), tpot_s)
 
 
 def write_scenario(path: Path, base: dict[str, Any], calibration: dict[str, Any], name: str) -> dict[str, Any]:
