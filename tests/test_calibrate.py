@@ -18,7 +18,9 @@ from kvcap.calibrate.fit import closed_form, estimate_slots, fit, nelder_mead
 from kvcap.calibrate.observe import Observation, ServerFacts
 from kvcap.calibrate.output import measured_load
 from kvcap.calibrate.pipeline import misfits
+from kvcap.calibrate.simulate import length_spec
 from kvcap.errors import InputError
+from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import load_scenario
 from tests.conftest import run_cli
 from tests.servers import start_fake_server
@@ -107,6 +109,14 @@ def test_the_scenarios_load_holds_every_level_when_prompt_lengths_vary():
     section = measured_load(levels, 0.03)
     assert section["load"]["concurrency"] == [1, 2, 4, 8, 16]
     assert section["workload"] == {"input_tokens": 172, "output_tokens": 32}
+
+
+def test_a_length_distribution_scaled_keeps_its_shape():
+    d = parse_length("lognormal:200,100,600").scaled(170)
+    assert (d.kind, d.a, d.b, d.hi) == ("lognormal", 170, 85, 510)
+    assert parse_length("uniform:100,300").scaled(100).spec == "uniform:50,150"
+    assert parse_length("64").scaled(70.4).spec == "70"
+    assert length_spec(171.6, None) == 172 and length_spec(171.6, "normal:160,20") == "normal:171.6,21.4"
 
 
 def test_nelder_mead_finds_a_minimum_and_says_when_it_ran_out():
@@ -208,6 +218,30 @@ def test_a_rate_profile_past_the_slots_without_telemetry_predicts_the_rate_held_
     assert abs(held["error_pct"]["throughput"]) < 10, held
     assert abs(held["error_pct"]["tpot_p50"]) < 10, held
     assert abs(held["error_pct"]["ttft_p50"]) < 20, held
+
+
+def test_varied_prompts_are_replayed_with_the_spread_the_run_measured(tmp_path):
+    """Prompts from a distribution: the simulator replays the spread the records show (not the asked one, not a
+    constant at the mean — TTFT's tail is the long prompts'), every level of the profile is in the scenario's
+    load, and c = 8 held out past the slots' queue comes out within 10% (p50s, throughput) and 20% (TTFT p95)."""
+    run = tmp_path / "varied"
+    with start_fake_server(slots=4, step_a="10ms", step_b="2ms", prefill_per_token="0.05ms") as srv:
+        bench(srv.url, run, "--concurrency", "1,2,4,8", "--warmup", "1s", "--duration", "4s",
+              "--input-tokens", "lognormal:200,100")
+    r = calibrate_json(str(run), "--out", str(tmp_path / "varied.yaml"), "--holdout", "8")
+    recs = [json.loads(line) for line in (run / "requests.jsonl").read_text().splitlines()]
+    lengths = np.array([x["input_tokens"] for x in recs if x["ok"] and x["phase"] == "measure"])
+    scenario = yaml.safe_load((tmp_path / "varied.yaml").read_text())
+    kind, args = scenario["workload"]["input_tokens"].split(":")
+    mean, sd, cap = (float(v) for v in args.split(","))
+    # the levels' measured spreads pooled (each level's own records are what its simulation replays)
+    assert kind == "lognormal" and cap == lengths.max()
+    assert sd / mean == pytest.approx(lengths.std(ddof=1) / lengths.mean(), rel=0.1)
+    assert scenario["load"]["concurrency"] == [1, 2, 4, 8]
+    held = next(row for row in r["table"] if row["held_out"])
+    for m in ("throughput", "tpot_p50", "ttft_p50"):
+        assert abs(held["error_pct"][m]) < 10, (m, held)
+    assert abs(held["error_pct"]["ttft_p95"]) < 20, held
 
 
 def test_one_level_is_refused_naming_what_is_missing(tmp_path):

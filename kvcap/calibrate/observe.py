@@ -9,6 +9,7 @@ from typing import Any
 from kvcap.analysis.summary import build_summary
 from kvcap.errors import InputError
 from kvcap.rundir import RunDir
+from kvcap.specs.lengths import parse_length
 from kvcap.workload.trace import TraceRow
 
 
@@ -34,6 +35,10 @@ class Observation:
     window: tuple[float | None, float | None, int | None, int] = (None, None, None, 0)
     """The run's (warm-up s, measured duration s, measured requests, seed): an open-loop level past capacity
     queues for as long as it runs, so the simulator must run it for exactly as long."""
+    lengths_asked: tuple[str | None, str | None] = (None, None)
+    """The prompt and output length distributions the run measured where it asked for one (None: a fixed
+    length): the simulator replays their shape around this level's measured means, since TTFT's tail is the
+    long prompts'."""
     trace: tuple[TraceRow, ...] = field(default=(), compare=False, repr=False)
     """A trace level's schedule as it was sent (arrival from the level's start, prompt and asked output per
     request), rebuilt from its records: the simulator replays exactly that."""
@@ -66,7 +71,7 @@ def _ms(block: dict[str, Any] | None, key: str) -> float | None:
 
 def level_observation(run: str, lv: dict[str, Any], arrival: str = "poisson",
                       window: tuple[float | None, float | None, int | None, int] = (None, None, None, 0),
-                      ) -> Observation | None:
+                      lengths_asked: tuple[str | None, str | None] = (None, None)) -> Observation | None:
     """A summary level → an observation; None when it has no successful request to learn from."""
     ttft50, tpot50 = _ms(lv.get("ttft_ms"), "p50"), _ms(lv.get("tpot_ms"), "p50")
     if not lv.get("ok") or ttft50 is None or tpot50 is None:
@@ -77,7 +82,7 @@ def level_observation(run: str, lv: dict[str, Any], arrival: str = "poisson",
         throughput=float(lv.get("output_tok_s") or 0.0), input_tokens=float(lv.get("input_tokens_mean") or 0.0),
         output_tokens=float(lv.get("output_tokens_mean") or 0.0), in_flight=lv.get("in_flight_mean"),
         running_max=lv.get("server_running_max"), kv_usage_max=lv.get("kv_usage_max"), arrival=arrival,
-        window=window)
+        window=window, lengths_asked=lengths_asked)
 
 
 def server_facts(manifest: dict[str, Any]) -> ServerFacts:
@@ -120,7 +125,11 @@ def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:
         arrival = str(fixed.get("load.arrival") or "poisson")
         window = (fixed.get("load.warmup"), fixed.get("load.duration"), fixed.get("load.requests"),
                   int(fixed.get("load.seed") or 0))
-        got = [o for lv in summary["levels"] if (o := level_observation(str(path), lv, arrival, window)) is not None]
+        asked = measured_shapes(run, fixed.get("workload.input_tokens"), fixed.get("workload.output_tokens"))
+        got = [o for lv in summary["levels"]
+               if (o := level_observation(str(path), lv, arrival, window,
+                                          asked.get((str(lv["mode"]), float(lv["level"])), (None, None))))
+               is not None]
         if any(o.mode == "trace" for o in got):
             warmup = float(fixed.get("load.warmup") or 0.0)
             got = [replace(o, trace=sent_schedule(run, o.level, warmup), window=(warmup, None, None, 0))
@@ -133,6 +142,49 @@ def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:
         raise InputError(f"calibrate needs at least 2 load levels with successful requests; got {len(obs)} "
                          f"({', '.join(o.label for o in obs)}): bench more levels, e.g. --concurrency 1,2,4,8")
     return obs, facts or ServerFacts()
+
+
+Shapes = dict[tuple[str, float], tuple[str | None, str | None]]
+
+
+def measured_shapes(run: RunDir, input_spec: Any, output_spec: Any) -> Shapes:
+    """Per (mode, level): the (prompt, output) length shapes its successful measured requests had, for specs that
+    asked for a distribution; None for a fixed length (or a spec that does not parse): the measured mean is
+    replayed then. Measured, not asked: the server counts the tokens, and what a bench realises of the asked
+    spread can be narrower (a lognormal:200,100 came back with cv 0.35, not 0.5). Each level its own: a level
+    held out of the fit lends nothing to the others."""
+    kinds = [_kind(input_spec), _kind(output_spec)]
+    if not any(kinds):
+        return {}
+    values: dict[tuple[str, float], tuple[list[int], list[int]]] = {}
+    for r in run.records():
+        if r.get("ok") and r.get("phase", "measure") == "measure" and r.get("mode") != "trace":
+            v = values.setdefault((str(r["mode"]), float(r["level"])), ([], []))
+            v[0].append(int(r.get("input_tokens") or 0))
+            v[1].append(int(r.get("output_tokens") or 0))
+    return {k: (_shape(kinds[0], v[0]), _shape(kinds[1], v[1])) for k, v in values.items()}
+
+
+def _kind(spec: Any) -> str | None:
+    if not isinstance(spec, str) or ":" not in spec:
+        return None
+    try:
+        kind = parse_length(spec).kind
+    except InputError:
+        return None
+    return None if kind == "fixed" else kind
+
+
+def _shape(kind: str | None, values: list[int]) -> str | None:
+    """A length spec of ``kind`` with the values' mean, spread and extremes."""
+    v = [x for x in values if x > 0]
+    if kind is None or len(v) < 2:
+        return None
+    if kind == "uniform":
+        return f"uniform:{min(v)},{max(v)}"
+    mean = sum(v) / len(v)
+    sd = (sum((x - mean) ** 2 for x in v) / (len(v) - 1)) ** 0.5
+    return f"{kind}:{mean:.1f},{sd:.1f},{max(v)}"
 
 
 def sent_schedule(run: RunDir, level: float, warmup_s: float) -> tuple[TraceRow, ...]:

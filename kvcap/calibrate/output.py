@@ -9,8 +9,18 @@ import yaml
 
 from kvcap.calibrate.fit import Fit
 from kvcap.calibrate.observe import Observation, ServerFacts
-from kvcap.calibrate.simulate import COST_KEYS, StepCost, cost_vector, group_sections, groups, key, serving_section
+from kvcap.calibrate.simulate import (
+    COST_KEYS,
+    StepCost,
+    cost_vector,
+    group_sections,
+    groups,
+    key,
+    length_spec,
+    serving_section,
+)
 from kvcap.report.console import make_console
+from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import build_scenario
 
 METRICS = ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95")
@@ -94,9 +104,23 @@ def measured_load(obs: list[Observation], tpot_s: float) -> dict[str, Any]:
     # levels of one load shape whose measured mean lengths differ (a length distribution: each level's sample
     # mean is its own) are one load: all their levels, at the lengths they share on average
     (mode, arrival, window), members = max(by_load.items(), key=lambda kv: len({o.level for o in kv[1]}))
-    n_in = max(1, round(sum(o.input_tokens for o in members) / len(members)))
-    n_out = max(1, round(sum(o.output_tokens for o in members) / len(members)))
+    n_in = pooled_length([o.input_tokens for o in members], [o.lengths_asked[0] for o in members])
+    n_out = pooled_length([o.output_tokens for o in members], [o.lengths_asked[1] for o in members])
     return group_sections((mode, n_in, n_out, arrival, window), sorted({o.level for o in members}), tpot_s)
+
+
+def pooled_length(means: list[float], shapes: list[str | None]) -> int | str:
+    """The profile's length for the scenario: the levels' mean, in the shape of their measured distributions
+    pooled (equal weights: the mean of their variances plus the variance of their means; the largest cap)."""
+    mean = sum(means) / len(means)
+    dists = [parse_length(s) for s in shapes if s is not None]
+    if not dists:
+        return length_spec(mean, None)
+    if dists[0].kind == "uniform":
+        return f"uniform:{min(int(d.a) for d in dists)},{max(int(d.b) for d in dists)}"
+    var = sum(d.b ** 2 for d in dists) / len(dists) + sum((d.a - mean) ** 2 for d in dists) / len(dists)
+    cap = max(d.hi for d in dists)
+    return f"{dists[0].kind}:{mean:.1f},{var ** 0.5:.1f}" + (f",{cap}" if cap < 1_000_000 else "")
 
 
 def write_scenario(path: Path, base: dict[str, Any], calibration: dict[str, Any], name: str) -> dict[str, Any]:

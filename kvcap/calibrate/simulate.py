@@ -10,6 +10,7 @@ from typing import Any
 
 from kvcap.calibrate.observe import Observation, level_observation
 from kvcap.sim.run import SimConfig, run_sim
+from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import StepCost, build_scenario
 from kvcap.workload.loadplan import LoadPlan
 
@@ -44,7 +45,15 @@ def serving_section(cost: StepCost, engine: str, slots: int, kv_tokens: int | No
     return out
 
 
-Group = tuple[str, int, int, str, tuple[float | None, float | None, int | None, int]]
+Group = tuple[str, int | str, int | str, str, tuple[float | None, float | None, int | None, int]]
+"""(mode, prompt length, output length, arrival, window); a length is a token count or a distribution's spec."""
+
+
+def length_spec(mean: float, asked: str | None) -> int | str:
+    """What the simulated workload asks: the measured mean, in the shape of the asked distribution if any."""
+    if asked is None:
+        return max(1, round(mean))
+    return parse_length(asked).scaled(mean).spec
 
 
 def groups(obs: list[Observation]) -> dict[Group, list[Observation]]:
@@ -54,7 +63,9 @@ def groups(obs: list[Observation]) -> dict[Group, list[Observation]]:
     for o in obs:
         closed = o.mode == "concurrency"
         arrival = f"{o.run}@{o.level:g}" if o.mode == "trace" else "" if closed else o.arrival
-        out[(o.mode, max(1, round(o.input_tokens)), max(1, round(o.output_tokens)), arrival,
+        shaped = o.mode != "trace"  # a trace replays its own lengths
+        out[(o.mode, length_spec(o.input_tokens, o.lengths_asked[0] if shaped else None),
+             length_spec(o.output_tokens, o.lengths_asked[1] if shaped else None), arrival,
              (None, None, None, 0) if closed else o.window)].append(o)
     return out
 
@@ -68,7 +79,7 @@ def group_sections(key: Group, levels: list[float], tpot_s: float) -> dict[str, 
                 "load": {"warmup": warmup or 0.0, "duration": None, "requests": None}}
     if mode == "concurrency":
         load: dict[str, Any] = {"concurrency": sorted({int(v) for v in levels}), "duration": None,
-                                "warmup": duration(3 * n_out * max(tpot_s, 1e-4)),
+                                "warmup": duration(3 * parse_length(n_out).mean * max(tpot_s, 1e-4)),
                                 "requests": int(max(SIM_REQUESTS_MIN, 8 * max(levels)))}
     else:
         load = {"rate": sorted(set(levels)), "arrival": arrival, "warmup": warmup or 0.0, "duration": measured,

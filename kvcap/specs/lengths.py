@@ -32,6 +32,18 @@ class LengthDist:
     def mean(self) -> float:
         return float(self.a) if self.kind != "uniform" else (self.a + self.b) / 2
 
+    def scaled(self, mean: float) -> LengthDist:
+        """The same shape (spread and cap in proportion) around ``mean``: the lengths a server counted, when it
+        counts every prompt ``mean / self.mean`` times what was asked."""
+        r = mean / self.mean
+        if self.kind == "fixed":
+            return LengthDist("fixed", max(1, round(mean)), hi=max(self.hi, max(1, round(mean))))
+        hi = self.hi if self.hi >= 1_000_000 else max(1, round(self.hi * r))
+        if self.kind == "uniform":
+            lo, up = max(1, round(self.a * r)), max(1, round(self.b * r))
+            return LengthDist("uniform", lo, max(lo, up), hi=hi)
+        return LengthDist(self.kind, round(mean, 1), round(self.b * r, 1), hi=hi)
+
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         if self.kind == "fixed":
             x = np.full(n, self.a)
