@@ -35,7 +35,7 @@ class Observation:
     window: tuple[float | None, float | None, int | None, int] = (None, None, None, 0)
     """The run's (warm-up s, measured duration s, measured requests, seed): an open-loop level past capacity
     queues for as long as it runs, so the simulator must run it for exactly as long."""
-    lengths_asked: tuple[str | None, str | None] = (None, None)
+    length_shapes: tuple[str | None, str | None] = (None, None)
     """The prompt and output length distributions the run measured where it asked for one (None: a fixed
     length): the simulator replays their shape around this level's measured means, since TTFT's tail is the
     long prompts'."""
@@ -71,7 +71,7 @@ def _ms(block: dict[str, Any] | None, key: str) -> float | None:
 
 def level_observation(run: str, lv: dict[str, Any], arrival: str = "poisson",
                       window: tuple[float | None, float | None, int | None, int] = (None, None, None, 0),
-                      lengths_asked: tuple[str | None, str | None] = (None, None)) -> Observation | None:
+                      length_shapes: tuple[str | None, str | None] = (None, None)) -> Observation | None:
     """A summary level → an observation; None when it has no successful request to learn from."""
     ttft50, tpot50 = _ms(lv.get("ttft_ms"), "p50"), _ms(lv.get("tpot_ms"), "p50")
     if not lv.get("ok") or ttft50 is None or tpot50 is None:
@@ -82,7 +82,7 @@ def level_observation(run: str, lv: dict[str, Any], arrival: str = "poisson",
         throughput=float(lv.get("output_tok_s") or 0.0), input_tokens=float(lv.get("input_tokens_mean") or 0.0),
         output_tokens=float(lv.get("output_tokens_mean") or 0.0), in_flight=lv.get("in_flight_mean"),
         running_max=lv.get("server_running_max"), kv_usage_max=lv.get("kv_usage_max"), arrival=arrival,
-        window=window, lengths_asked=lengths_asked)
+        window=window, length_shapes=length_shapes)
 
 
 def server_facts(manifest: dict[str, Any]) -> ServerFacts:
@@ -125,10 +125,10 @@ def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:
         arrival = str(fixed.get("load.arrival") or "poisson")
         window = (fixed.get("load.warmup"), fixed.get("load.duration"), fixed.get("load.requests"),
                   int(fixed.get("load.seed") or 0))
-        asked = measured_shapes(run, fixed.get("workload.input_tokens"), fixed.get("workload.output_tokens"))
+        shapes = measured_shapes(run, fixed.get("workload.input_tokens"), fixed.get("workload.output_tokens"))
         got = [o for lv in summary["levels"]
                if (o := level_observation(str(path), lv, arrival, window,
-                                          asked.get((str(lv["mode"]), float(lv["level"])), (None, None))))
+                                          shapes.get((str(lv["mode"]), float(lv["level"])), (None, None))))
                is not None]
         if any(o.mode == "trace" for o in got):
             warmup = float(fixed.get("load.warmup") or 0.0)

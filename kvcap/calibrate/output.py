@@ -93,7 +93,7 @@ def calibration_section(runs: list[str], result: Fit, engine: str, kv_source: st
 
 
 def measured_load(obs: list[Observation], tpot_s: float) -> dict[str, Any]:
-    """The workload and load the runs measured (the group with the most levels), so the calibrated scenario runs
+    """The workload and load the runs measured (the load with the most levels), so the calibrated scenario runs
     as is: ``kvcap sim calibrated.yaml`` and ``kvcap ab calibrated.yaml --treatment …`` need no load flags."""
     by_load: dict[tuple[Any, ...], list[Observation]] = {}
     for g, members in groups(obs).items():
@@ -104,8 +104,8 @@ def measured_load(obs: list[Observation], tpot_s: float) -> dict[str, Any]:
     # levels of one load shape whose measured mean lengths differ (a length distribution: each level's sample
     # mean is its own) are one load: all their levels, at the lengths they share on average
     (mode, arrival, window), members = max(by_load.items(), key=lambda kv: len({o.level for o in kv[1]}))
-    n_in = pooled_length([o.input_tokens for o in members], [o.lengths_asked[0] for o in members])
-    n_out = pooled_length([o.output_tokens for o in members], [o.lengths_asked[1] for o in members])
+    n_in = pooled_length([o.input_tokens for o in members], [o.length_shapes[0] for o in members])
+    n_out = pooled_length([o.output_tokens for o in members], [o.length_shapes[1] for o in members])
     return group_sections((mode, n_in, n_out, arrival, window), sorted({o.level for o in members}), tpot_s)
 
 

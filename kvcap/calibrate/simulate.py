@@ -50,7 +50,7 @@ Group = tuple[str, int | str, int | str, str, tuple[float | None, float | None, 
 
 
 def length_spec(mean: float, asked: str | None) -> int | str:
-    """What the simulated workload asks: the measured mean, in the shape of the asked distribution if any."""
+    """What the simulated workload asks: the measured mean, in the measured distribution's shape if any."""
     if asked is None:
         return max(1, round(mean))
     return parse_length(asked).scaled(mean).spec
@@ -64,8 +64,8 @@ def groups(obs: list[Observation]) -> dict[Group, list[Observation]]:
         closed = o.mode == "concurrency"
         arrival = f"{o.run}@{o.level:g}" if o.mode == "trace" else "" if closed else o.arrival
         shaped = o.mode != "trace"  # a trace replays its own lengths
-        out[(o.mode, length_spec(o.input_tokens, o.lengths_asked[0] if shaped else None),
-             length_spec(o.output_tokens, o.lengths_asked[1] if shaped else None), arrival,
+        out[(o.mode, length_spec(o.input_tokens, o.length_shapes[0] if shaped else None),
+             length_spec(o.output_tokens, o.length_shapes[1] if shaped else None), arrival,
              (None, None, None, 0) if closed else o.window)].append(o)
     return out
 
