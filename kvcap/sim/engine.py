@@ -53,6 +53,8 @@ class Simulation:
         self._feed_order: list[int] = []
         self._feed_pos = 0
         self._feed_make: Callable[[int], SimRequest] | None = None
+        self._submitted: list[float] = []
+        """Times of the ``submit``-ted arrivals still in the heap (a min-heap: ``arrival_due`` reads its head)."""
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: str, obj: Any, version: int = 0) -> None:
@@ -74,7 +76,15 @@ class Simulation:
 
     def submit(self, req: SimRequest, t: float) -> None:
         """``req`` arrives at ``t`` (its latencies count from there) and is queued after the front end's time."""
-        self.push(t + self.request_overhead_s, "arrival", req)
+        t += self.request_overhead_s
+        heapq.heappush(self._submitted, t)
+        self.push(t, "arrival", req)
+
+    def arrival_due(self, t: float) -> bool:
+        """An arrival (submitted or fed) is due at or before ``t`` and not yet processed."""
+        sub = self._submitted
+        return bool(sub and sub[0] <= t) or (self._feed_pos < len(self._feed_keys)
+                                              and self._feed_keys[self._feed_pos] <= t)
 
     def feed(self, arrivals: Sequence[float], make: Callable[[int], SimRequest]) -> None:
         """A whole schedule of arrivals (open loop, trace), each request built only when it arrives: ``make(i)``
@@ -116,6 +126,8 @@ class Simulation:
                 kind, obj, version = "arrival", req, 0
             elif heap and heap[0][0] <= t_end:
                 t, _, kind, obj, version = heappop(heap)
+                if kind == "arrival":  # a submitted one (fed ones never enter the heap)
+                    heappop(self._submitted)
             else:
                 return
             if on_time is not None:

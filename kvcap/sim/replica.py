@@ -221,6 +221,9 @@ class Replica:
             k = min([r.max_out - r.out for r in decoders])
             if self.policy.admits_after_one_step(self):
                 k = 1  # something could be admitted next step (blocks free up only at a finish)
+            elif k > 1 and self.sim.arrival_due(now) and len(self.running) + self.incoming < self.cfg.max_num_seqs:
+                k = 1  # an arrival at this instant (a closed loop's next request) will cut the span after its
+                # first step: planning the rest (blocks, step ends) only to give it back costs a fifth of the run
             if self.sim.max_span is not None:
                 k = min(k, self.sim.max_span)
             k = self.hbm.reserve_decode_steps(decoders, k, reserved)
