@@ -33,6 +33,8 @@ SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
 """The per-request latencies an SLO item can limit (``<metric>_ms``)."""
 ITL_EXACT_MAX = 2_000_000
 """ITL values per level kept as floats (16 MB); past it, counts per 1 µs value (exact order statistics)."""
+BINCOUNT_US = 1 << 20
+"""ITLs (µs) below this (~1 s) are counted with a table of at most 8 MB, the rest sorted (``_value_counts``)."""
 _FLOATS = {"start": ("start_s", 0.0), "ttft": ("ttft_ms", np.nan), "tpot": ("tpot_ms", np.nan),
            "e2e": ("e2e_ms", np.nan), "end": ("end_s", np.nan), "out_tokens": ("output_tokens", 0.0),
            "in_tokens": ("input_tokens", 0.0), "queue": ("queue_ms", np.nan),
@@ -77,7 +79,7 @@ class ItlValues:
             self.parts, self.off_grid = [flat], True
             return
         self.parts, self.size = [], 0
-        vals, counts = np.unique(us, return_counts=True)
+        vals, counts = _value_counts(us)
         for v, c in zip(vals.tolist(), counts.tolist()):
             self.grid[v] = self.grid.get(v, 0) + c
         self.grid_sum_us += int(us.sum())
@@ -90,6 +92,21 @@ class ItlValues:
         counts = np.fromiter((self.grid[k] for k in keys.tolist()), np.int64, count=keys.size)
         # the exact mean (an integer count of µs over n), where np.mean's pairwise float sum may differ by an ulp
         return counted_percentiles(keys / 1e3, counts, self.grid_sum_us / (int(counts.sum()) * 1000))
+
+
+def _value_counts(us: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(us, return_counts=True)`` of µs values; those under ``BINCOUNT_US`` counted by ``bincount`` (no sort
+    of millions of values)."""
+    small = (us >= 0) & (us < BINCOUNT_US)
+    if small.all():
+        counts = np.bincount(us)
+        vals = np.flatnonzero(counts)
+        return vals, counts[vals]
+    a_vals, a_counts = _value_counts(us[small])
+    b_vals, b_counts = np.unique(us[~small], return_counts=True)
+    vals = np.concatenate((a_vals, b_vals))
+    order = np.argsort(vals, kind="stable")
+    return vals[order], np.concatenate((a_counts, b_counts))[order]
 
 
 class LevelArrays:
@@ -239,7 +256,10 @@ def _extract(recs: list[dict[str, Any]], keys: Codes, errors: Codes) -> dict[str
         itls = [x or () for x in itls]
         lens = np.fromiter(map(len, itls), np.int64, count=n)
     cols["itl_len"] = lens
-    cols["itl"] = np.fromiter(chain.from_iterable(itls), float, count=int(lens.sum()))
+    if n and isinstance(itls[0], np.ndarray):  # records in hand (``LiveColumns``): the engine's vectors
+        cols["itl"] = np.concatenate(itls).astype(float, copy=False)
+    else:
+        cols["itl"] = np.fromiter(chain.from_iterable(itls), float, count=int(lens.sum()))
     cols["key"] = np.fromiter(map(keys.__getitem__, tags), np.int64, count=n)
     return cols
 
@@ -266,8 +286,40 @@ def _segmented_cumsum(flat: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 def _count_tokens(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, windows: Sequence[Window]) -> list[np.ndarray]:
     """Per window, per record: tokens at first and at first + each running ITL sum (ms) within [t0, t1); 0 for a
-    record without ITLs (its tokens are spread by the closed form instead) or without a first token."""
+    record without ITLs (its tokens are spread by the closed form instead) or without a first token.
+
+    Token times rise within a record (ITLs ≥ 0), so a record whose first and last tokens both lie inside a window
+    (a margin of 1 µs on the last, which is summed in another order) has all of them inside, and one wholly before
+    or after has none: only the few records across a window's edge need their token times. Negative ITLs (a
+    damaged file) take every record's times."""
     has = (lens > 0) & ~np.isnan(first)
+    if flat.size and flat.min() < 0:
+        return _count_each_token(first, flat, lens, windows, has)
+    starts = np.cumsum(lens) - lens
+    total = np.zeros(lens.size)
+    some = lens > 0
+    if flat.size:
+        total[some] = np.add.reduceat(flat, starts[some])
+    last = first + total / 1e3
+    margin = 1e-6
+    out = []
+    edge = np.zeros(lens.size, bool)
+    for t0, t1 in windows:
+        inside = has & (first >= t0) & (last + margin < t1)
+        outside = (first >= t1) | (last + margin < t0)
+        out.append(np.where(inside, lens + 1, 0).astype(np.int64))
+        edge |= has & ~inside & ~outside  # across an edge (or a sum that is not finite)
+    if edge.any():
+        rows = np.flatnonzero(edge)
+        sub = flat[np.repeat(starts[rows], lens[rows]) + _ranks(lens[rows])]
+        for count, exact in zip(out, _count_each_token(first[rows], sub, lens[rows], windows, has[rows])):
+            count[rows] = exact
+    return out
+
+
+def _count_each_token(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, windows: Sequence[Window],
+                      has: np.ndarray) -> list[np.ndarray]:
+    """``_count_tokens`` from every token's time."""
     owner = np.repeat(np.arange(lens.size), lens)
     times = first[owner] + _segmented_cumsum(flat, lens) / 1e3  # tokens 2..N (NaN first → never inside)
     out = []

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvcap import __version__
+from kvcap.analysis.live_columns import LiveColumns
 from kvcap.analysis.slo import parse_slo
 from kvcap.analysis.summary import build_summary
 from kvcap.analysis.telemetry import HOLD
@@ -294,9 +295,10 @@ class _LevelRun:
     and at the drain limit records whatever is still in flight as cancelled."""
 
     def __init__(self, cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
-                 writer: RunWriter, record_itl: bool, full_telemetry: bool = False):
+                 writer: RunWriter, record_itl: bool, full_telemetry: bool = False,
+                 columns: LiveColumns | None = None):
         self.plan, self.level, self.repeat, self.offset = plan, level, repeat, offset
-        self.writer, self.record_itl = writer, record_itl
+        self.writer, self.record_itl, self.columns = writer, record_itl, columns
         self.mode = plan.mode
         self.measure_start = plan.warmup_s
         self.measure_end = self.measure_start + plan.duration_s if plan.duration_s is not None else math.inf
@@ -326,6 +328,8 @@ class _LevelRun:
         else:
             self.errors += 1
         self.writer.record(rec)
+        if self.columns is not None:
+            self.columns.add(rec, self.offset + max(self.window_end(now), self.measure_start))
         if self.mode == "concurrency":
             self.issue(now)
 
@@ -412,7 +416,9 @@ class _LevelRun:
     # ------------------------------------------------------------------ the levels.jsonl line
     def window_end(self, t_end: float) -> float:
         """End of the measured window: when the closed loop stopped sending (at most the window's end), the
-        window's end for a timed open loop, else the last measured arrival."""
+        window's end for a timed open loop, else the last measured arrival. Called before the level's end with
+        ``t_end`` the clock now, it is a lower bound on that end (the loop stops, and the level ends, no earlier
+        than now)."""
         if self.mode == "concurrency":
             end = self.stop_at if self.stop_at is not None else t_end
             if math.isfinite(self.measure_end):
@@ -446,16 +452,21 @@ class _LevelRun:
 
 
 def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
-                   writer: RunWriter, record_itl: bool = True,
-                   full_telemetry: bool = False) -> tuple[dict[str, Any], float]:
-    """One level (one repeat) on a fresh cluster; returns its levels.jsonl line and its simulated length."""
-    run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl, full_telemetry)
+                   writer: RunWriter, record_itl: bool = True, full_telemetry: bool = False,
+                   columns: LiveColumns | None = None) -> tuple[dict[str, Any], float]:
+    """One level (one repeat) on a fresh cluster; returns its levels.jsonl line and its simulated length.
+    ``columns``: takes the records' columns as they are written, for the closing summary."""
+    run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl, full_telemetry, columns)
+    if columns is not None:
+        columns.open((run.mode, float(level)), repeat, round(offset + run.measure_start, 6))
     run.start_load()
     wall0 = time.perf_counter()
     t_end, cancelled = run.run()
     wall = time.perf_counter() - wall0
     info = run.info(t_end, wall, len(cancelled))
     writer.level(info)
+    if columns is not None:
+        columns.close((info["measure_start_s"], info["measure_end_s"]))
     return info, t_end
 
 
@@ -471,12 +482,13 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
     offset = 0.0
     infos: list[dict[str, Any]] = []
     interrupted = False
+    columns = LiveColumns()
     wall0 = time.perf_counter()
     try:
         for repeat in range(cfg.plan.first_repeat, cfg.plan.first_repeat + cfg.plan.repeats):
             for level in cfg.plan.levels:
                 info, length = simulate_level(cm, cfg.plan, level, repeat, offset, writer, cfg.record_itl,
-                                              cfg.full_telemetry)
+                                              cfg.full_telemetry, columns)
                 infos.append(info)
                 if progress is not None:
                     progress(info)
@@ -486,7 +498,7 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
     finally:
         writer.close()
     wall = time.perf_counter() - wall0
-    summary = build_summary(RunDir(cfg.out), slo=cfg.slo)
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo, reader=columns.reader)
     simulated = sum(i["sim"]["simulated_s"] for i in infos)
     engine = sum(i["sim"]["wall_s"] for i in infos)
     summary["interrupted"] = interrupted
