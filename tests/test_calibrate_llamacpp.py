@@ -5,6 +5,13 @@ The model is the tests' random-weights GGUF, made a little larger (4 layers, wid
 takes milliseconds: with the 2-layer default a step is ~0.2 ms and the client's own per-token work (SSE parsing
 on a shared 2-core machine, send delays up to 10 ms measured) is as large as the server's, which no server model
 should absorb.
+
+Not modelled, and why it does not bite here: with an explicit ``--parallel`` the KV cache is split per slot, and
+llama.cpp batches only runs of consecutive busy slot ids into one forward pass (``split_equal`` with
+``sequential``); pinned with ``id_slot`` on this model a step costs ~0.49 ms per pass + ~0.19 ms per token, so four
+sequences in slots {0, 2, 4, 6} take 2.1× the step of {0, 1, 2, 3}. But closed-loop users fall into lockstep and
+take the least recently used slots together: on a fresh server, four busy slots were consecutive 99.5-100% of the
+time (server logs), so the c = 4 prediction does not need the rule.
 """
 
 from __future__ import annotations
@@ -34,19 +41,49 @@ def bench(url: str, out: Path, levels: str) -> dict:
     return {lv["level"]: lv for lv in json.loads(p.stdout)["levels"]}
 
 
+def mean_of(a: dict, b: dict) -> dict:
+    """Two benches of one server, level by level: the mean throughput and TPOT p50."""
+    return {c: {"output_tok_s": (a[c]["output_tok_s"] + b[c]["output_tok_s"]) / 2,
+                "tpot_ms": {"p50": (a[c]["tpot_ms"]["p50"] + b[c]["tpot_ms"]["p50"]) / 2}} for c in a}
+
+
+BRACKETS = 3
+STEADY = 0.10
+"""A bracket whose two benches of the 8-slot server differ by more than this (TPOT p50, any level) drifted."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The profile (--parallel 4) and the server to predict (--parallel 8), each benched once."""
+    """The profile (--parallel 4), bracketed by two benches of the server to predict (--parallel 8), whose mean is
+    the measurement: this shared 2-core machine drifts by up to a third from one minute to the next (1.43 ms →
+    1.91 ms TPOT for the same server and load, seen here), which a single bench after the profile took for a
+    prediction error. A steady drift cancels in the mean; a bracket whose two ends disagree by more than 10% is no
+    measurement and is taken again, at most three times (then the prediction check says so and stands aside: no
+    tolerance of 15% can be judged against a server measured ±20%)."""
     root = tmp_path_factory.mktemp("cal-llamacpp")
     gguf = write_tiny_llama_gguf(root / "tiny.gguf", **SHAPE)
-    with llama_server(gguf, parallel=4, ctx_size=4 * CTX_PER_SLOT) as url:
-        bench(url, root / "p4", "1,2,4")
-    with llama_server(gguf, parallel=8, ctx_size=8 * CTX_PER_SLOT) as url:
-        measured = bench(url, root / "p8", "4,8")
+    for attempt in range(BRACKETS):
+        here = root / f"bracket{attempt}"
+        with llama_server(gguf, parallel=8, ctx_size=8 * CTX_PER_SLOT) as url:
+            before = bench(url, here / "p8-before", "4,8")
+        with llama_server(gguf, parallel=4, ctx_size=4 * CTX_PER_SLOT) as url:
+            bench(url, here / "p4", "1,2,4")
+        with llama_server(gguf, parallel=8, ctx_size=8 * CTX_PER_SLOT) as url:
+            after = bench(url, here / "p8-after", "4,8")
+        drift = max(abs(after[c]["tpot_ms"]["p50"] / before[c]["tpot_ms"]["p50"] - 1) for c in before)
+        print(f"bracket {attempt}: --parallel 8 TPOT p50 before / after the profile: "
+              + ", ".join(f"c={c} {before[c]['tpot_ms']['p50']:.3f} / {after[c]['tpot_ms']['p50']:.3f} ms"
+                          for c in before) + f" (drift {drift:.0%})")
+        if drift <= STEADY:
+            break
+    measured = mean_of(before, after)
+    steady = drift <= STEADY
+    root = here
     scenario = root / "calibrated.yaml"
     p = run_cli("calibrate", str(root / "p4"), "--out", str(scenario), "--json")
     assert p.returncode == 0, p.stderr[-2000:]
-    return {"root": root, "scenario": scenario, "fit": json.loads(p.stdout), "measured": measured}
+    return {"root": root, "scenario": scenario, "fit": json.loads(p.stdout), "measured": measured,
+            "steady": steady, "drift": drift}
 
 
 def test_calibrate_takes_slots_and_kv_pool_from_the_servers_props(runs):
@@ -57,13 +94,10 @@ def test_calibrate_takes_slots_and_kv_pool_from_the_servers_props(runs):
     assert all(v["value_s"] >= 0 for v in fit["step_cost"].values())
 
 
-@pytest.mark.xfail(strict=False, reason="issue 12 open: the decode step is not linear in the batch on this CPU "
-                   "build (slots pinned with id_slot, 200-token decodes: 0.65 ms for one sequence, 2.0 ms for two in "
-                   "adjacent slots, 1.25 ms for slots 0 and 7 — llama.cpp's split KV puts only consecutive slot ids "
-                   "in one ubatch — 3.2 ms for four, 5.2 ms for eight), so a line fitted on c = 1, 2, 4 misses c = 8 "
-                   "(TPOT p50 +19%, throughput -16%); and interleaved benches of one server differ by up to 24% on "
-                   "this shared 2-core machine")
 def test_calibrated_llamacpp_predicts_twice_the_slots_within_15pct(runs):
+    if not runs["steady"]:
+        pytest.xfail(f"the machine drifted {runs['drift']:.0%} within each of {BRACKETS} brackets (the 8-slot "
+                     f"server benched twice around the profile): no steady measurement to judge 15% against")
     sim = run_cli("sim", str(runs["scenario"]), "--set", "serving.max_num_seqs=8",
                   "--set", f"serving.kv_tokens={8 * CTX_PER_SLOT}", "--concurrency", "4,8", *LENGTHS,
                   "--out", str(runs["root"] / "sim8"), "--quiet", "--json")
@@ -71,5 +105,8 @@ def test_calibrated_llamacpp_predicts_twice_the_slots_within_15pct(runs):
     predicted = {lv["level"]: lv for lv in json.loads(sim.stdout)["levels"]}
     for c in (4, 8):
         p, m = predicted[c], runs["measured"][c]
+        print(f"c={c}: throughput {p['output_tok_s']:.1f} predicted / {m['output_tok_s']:.1f} measured "
+              f"({p['output_tok_s'] / m['output_tok_s'] - 1:+.1%}), TPOT p50 {p['tpot_ms']['p50']:.3f} / "
+              f"{m['tpot_ms']['p50']:.3f} ms ({p['tpot_ms']['p50'] / m['tpot_ms']['p50'] - 1:+.1%})")
         assert p["output_tok_s"] == pytest.approx(m["output_tok_s"], rel=TOLERANCE), c
         assert p["tpot_ms"]["p50"] == pytest.approx(m["tpot_ms"]["p50"], rel=TOLERANCE), c
