@@ -304,6 +304,8 @@ class CostModel:
             ends += t0
             return ends
         rest, c0, bc, m0, bm = self._decode_lines(batch)
+        if steps == 1:  # what the lines below give for one step (the leading line at step 0 is the larger)
+            return np.array(((rest + (c0 if c0 > m0 else m0)) + t0,))
         lead = _leading_line(c0, bc, m0, bm, steps)
         if lead is not None:
             a, b = lead

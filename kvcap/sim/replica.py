@@ -226,7 +226,8 @@ class Replica:
                 # first step: planning the rest (blocks, step ends) only to give it back costs a fifth of the run
             if self.sim.max_span is not None:
                 k = min(k, self.sim.max_span)
-            k = self.hbm.reserve_decode_steps(decoders, k, reserved)
+            if k > 1:  # the policy took each decoder's block for its next token: one step needs no more
+                k = self.hbm.reserve_decode_steps(decoders, k, reserved)
             ends = cost.decode_step_ends(BatchShape.decode_only([r.kv for r in decoders], window), k, now)
             end = float(ends[-1])
         self.span = Span(t0=now, ends=ends, decoders=decoders, prefills=prefills, reserved=reserved)
@@ -239,8 +240,8 @@ class Replica:
         assert span is not None
         self.span = None
         self.busy_done += float(span.ends[-1] - span.t0)
-        completed = self._emit_tokens(span, now)
-        done = [r for r in self.running if r.out >= r.max_out]
+        completed, finished = self._emit_tokens(span, now)
+        done = [r for r in self.running if r.out >= r.max_out] if finished else ()
         for req in done:
             self.running.remove(req)
             self.hbm.release(req)
@@ -251,20 +252,24 @@ class Replica:
             self.policy.on_prefilled(self, completed, now)
         self.schedule(now)
 
-    def _emit_tokens(self, span: Span, now: float) -> list[SimRequest]:
+    def _emit_tokens(self, span: Span, now: float) -> tuple[list[SimRequest], bool]:
         """Credit the span's tokens: decoders get one per step; a prefill that reached its target samples its
-        next token. Returns the requests whose prefill (or recomputation) completed."""
+        next token. Returns the requests whose prefill (or recomputation) completed, and whether any request
+        of the span has all its tokens now (only then is the running list scanned for finishes)."""
         ends = span.ends
         k = ends.size
         t = float(ends[-1])
         on_tokens = self.sim.on_tokens
         decoders = span.decoders
         gen = k * len(decoders)
+        finished = False
         for req in decoders:
             req.kv += k
             req.out += k
             req.chunks.append(ends)
             req.t_last = t
+            if req.out >= req.max_out:
+                finished = True
         if on_tokens is not None:  # serve-sim hands each its new tokens (it reads only that request)
             for req in decoders:
                 on_tokens(req)
@@ -281,10 +286,12 @@ class Replica:
                     self._register_prefix(req, now)
                 req.chunks.append(ends)  # a step with prefills is one step: its end is the token's time
                 req.t_last = t
+                if req.out >= req.max_out:
+                    finished = True
                 if on_tokens is not None:
                     on_tokens(req)
         self.generation_tokens += gen
-        return completed
+        return completed, finished
 
     # ------------------------------------------------------------------ decode promises (offload admission "tiers")
     def commit(self, req: SimRequest) -> None:
