@@ -132,6 +132,17 @@ def test_a_fit_the_simulator_cannot_reproduce_is_refused():
         fit(levels, ServerFacts(), lambda slots: lambda cost: {})  # a simulator that reproduces no level
 
 
+def test_a_plateau_is_judged_only_along_one_workloads_ladder():
+    """Profiles at two prompt lengths given together: c=1 with long prompts makes less throughput than c=1 with
+    short ones, which is no plateau (before: "throughput plateau from c=1", 1 slot, and calibrate refused)."""
+    short = [obs(c, A + B * c, 0.03, thr=c * 32 / (A + B * c)) for c in (1, 2, 4, 8)]
+    long = [obs(c, A + B * c, 0.06, thr=c * 28 / (A + B * c), n_in=512) for c in (1, 4)]
+    slots, source = estimate_slots(short + long, ServerFacts())
+    assert slots == 256 and "never seen full" in source
+    flat = [obs(c, A + B * c, 0.03, thr=100.0) for c in (1, 2, 4)]  # one ladder that stops growing at c=1
+    assert estimate_slots(flat, ServerFacts())[0] == 1
+
+
 # ---------------------------------------------------------------- over real HTTP
 
 def bench(url: str, out: Path, *args: str) -> None:
@@ -318,3 +329,21 @@ def test_a_trace_replay_held_out_is_predicted_from_its_own_schedule(profile8, tm
 def test_holdout_trace_without_a_trace_run_is_bad_input(profile8, tmp_path):
     proc = run_cli("calibrate", str(profile8), "--out", str(tmp_path / "c.yaml"), "--holdout", "trace")
     assert proc.returncode == 2 and "trace" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_profiles_at_two_prompt_lengths_calibrate_together_and_pin_the_prefill(tmp_path):
+    """The way to tell the per-request front end from the per-prompt-token prefill is a second prompt length:
+    two runs given together (no /metrics, so the slots come from the throughput ladders) fit the truth — step
+    10 ms + 2 ms × batch, 0.05 ms per prompt token."""
+    with start_fake_server(slots=8, step_a="10ms", step_b="2ms", prefill_per_token="0.05ms") as srv:
+        for name, n_in, levels in (("p64", "64", "1,2,4,8"), ("p512", "512", "1,4")):
+            p = run_cli("bench", "--url", srv.url, "--out", str(tmp_path / name), "--quiet", "--input-tokens", n_in,
+                        "--output-tokens", "32", "--concurrency", levels, "--warmup", "1s", "--duration", "3s",
+                        timeout=180)
+            assert p.returncode == 0, p.stderr[-2000:]
+    r = calibrate_json(str(tmp_path / "p64"), str(tmp_path / "p512"), "--out", str(tmp_path / "two.yaml"))
+    cost = {k: v["value_s"] for k, v in r["step_cost"].items()}
+    assert r["slots"] == 256 and "never seen full" in r["slots_source"]
+    assert cost["base"] == pytest.approx(0.010, rel=0.1)
+    assert cost["per_decode"] == pytest.approx(0.002, rel=0.1)
+    assert cost["per_prefill_token"] == pytest.approx(50e-6, rel=0.15)

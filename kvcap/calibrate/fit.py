@@ -87,11 +87,24 @@ def estimate_slots(obs: list[Observation], facts: ServerFacts) -> tuple[int, str
         return max(1, round(max(decoding(o) for o in full))), (
             "sequences decoding at once (throughput × TPOT p50) where the open loop queued: "
             + ", ".join(o.label for o in full))
-    closed = sorted((o for o in obs if o.mode == "concurrency"), key=lambda o: o.level)
-    for lo, hi in itertools.pairwise(closed):
+    for lo, hi in rising_pairs([o for o in obs if o.mode == "concurrency"]):
         if hi.throughput < lo.throughput * PLATEAU_GAIN:
             return int(lo.level), f"throughput plateau from c={lo.level:g}"
     return max(round(top), DEFAULT_SLOTS), never.format(round(top))
+
+
+def rising_pairs(obs: list[Observation]) -> list[tuple[Observation, Observation]]:
+    """Successive levels of one workload (the same prompt and output lengths), each pair a higher load than the
+    last: a plateau means something only between loads of the same requests (profiles at two prompt lengths,
+    given together, each keep their own ladder)."""
+    ladders: dict[tuple[int, int], list[Observation]] = {}
+    for o in obs:
+        ladders.setdefault((round(o.input_tokens), round(o.output_tokens)), []).append(o)
+    pairs = []
+    for ladder in ladders.values():
+        ladder.sort(key=lambda o: o.level)
+        pairs += [(lo, hi) for lo, hi in itertools.pairwise(ladder) if hi.level > lo.level]
+    return pairs
 
 
 QUEUED = 2.0
@@ -108,12 +121,10 @@ def queued_open_loop(obs: list[Observation]) -> list[Observation]:
     """Open-loop levels where the server was full: more in flight than decoding by :data:`QUEUED`, or a rate
     whose throughput stopped growing below a higher offered rate of the same workload (the slots, or the KV pool
     for these lengths, were taken; in both cases the decoding count is the limit the simulator must hold)."""
-    rates = sorted((o for o in obs if o.mode == "rate"), key=lambda o: o.level)
     full = [o for o in obs if o.mode in ("rate", "trace") and o.in_flight is not None
             and o.in_flight >= QUEUED * decoding(o) + 1]
-    for lo, hi in itertools.pairwise(rates):
-        same = (round(lo.input_tokens), round(lo.output_tokens)) == (round(hi.input_tokens), round(hi.output_tokens))
-        if same and hi.throughput < lo.throughput * PLATEAU_GAIN:
+    for lo, hi in rising_pairs([o for o in obs if o.mode == "rate"]):
+        if hi.throughput < lo.throughput * PLATEAU_GAIN:
             full += [o for o in (lo, hi) if o not in full]
     return full
 
