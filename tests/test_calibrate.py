@@ -17,7 +17,7 @@ import yaml
 from kvcap.calibrate.fit import closed_form, estimate_slots, fit, nelder_mead
 from kvcap.calibrate.observe import Observation, ServerFacts
 from kvcap.calibrate.output import measured_load
-from kvcap.calibrate.pipeline import misfits
+from kvcap.calibrate.pipeline import limits, misfits
 from kvcap.calibrate.simulate import length_spec
 from kvcap.errors import InputError
 from kvcap.specs.lengths import parse_length
@@ -141,6 +141,18 @@ def test_a_plateau_is_judged_only_along_one_workloads_ladder():
     assert slots == 256 and "never seen full" in source
     flat = [obs(c, A + B * c, 0.03, thr=100.0) for c in (1, 2, 4)]  # one ladder that stops growing at c=1
     assert estimate_slots(flat, ServerFacts())[0] == 1
+
+
+def test_what_a_profile_could_not_show_is_said_once():
+    """One prompt length cannot tell the front end from the prefill; a profile that never offered more prompt
+    tokens at once than the step budget cannot show the budget. A second length, or a load past the budget,
+    takes the note away."""
+    one = [obs(c, A + B * c, 0.03) for c in (1, 2, 4, 8)]  # 64-token prompts, at most 512 at once
+    notes = limits(one, 2048)
+    assert len(notes) == 2 and "~64 tokens" in notes[0] and "--input-tokens 256" in notes[0]
+    assert "~512 prompt tokens at once" in notes[1] and "2,048-token step budget" in notes[1]
+    two = one + [obs(c, A + B * c, 0.06, n_in=1024) for c in (1, 4)]  # 4,096 tokens at once: past the budget
+    assert limits(two, 2048) == []
 
 
 # ---------------------------------------------------------------- over real HTTP

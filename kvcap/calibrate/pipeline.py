@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvcap.calibrate.fit import MAX_EVALS, Simulator, fit, summary_errors
 from kvcap.calibrate.observe import Observation, observe
 from kvcap.calibrate.output import (
@@ -19,6 +21,7 @@ from kvcap.calibrate.output import (
 )
 from kvcap.calibrate.simulate import StepCost, key, simulate
 from kvcap.errors import InputError
+from kvcap.specs.scenario import ServingSpec
 
 
 def split_holdout(obs: list[Observation], holdout: tuple[float, ...],
@@ -66,11 +69,12 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     holdout_error = summary_errors([r for r in rows if r["held_out"]]) if held else None
     section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
     section["warnings"] = misfits(rows)
+    section["limits"] = limits(fitted, int(base["serving"].get("max_num_batched_tokens") or DEFAULT_BUDGET))
     write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")
     return {"scenario": str(out), "engine": profile, "slots": result.slots, "slots_source": result.slots_source,
             "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": section["coefficients"],
             "fit": section["fit"], "table": rows, "fit_error": fit_error, "holdout_error": holdout_error,
-            "warnings": section["warnings"]}
+            "warnings": section["warnings"], "limits": section["limits"]}
 
 
 MISFIT_PCT = 25.0
@@ -91,3 +95,38 @@ def misfits(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"the calibrated scenario misses fitted level {row_label(r)} ({', '.join(bad)}): its predictions "
                        "carry at least that error; see the fit table")
     return out
+
+
+DEFAULT_BUDGET = ServingSpec.model_fields["max_num_batched_tokens"].default
+ONE_LENGTH = 1.25
+"""Fitted levels whose mean prompt lengths all lie within this ratio sent one prompt length."""
+
+
+def limits(fitted: list[Observation], budget: int) -> list[str]:
+    """What the fitted levels could not show, said once: a what-if along that axis extrapolates the fit.
+
+    - One prompt length: TTFT holds the front end's time per request plus the prefill of that length; a second
+      length is what tells the two apart (a profile at 64 tokens predicted 1,024-token prompts' TTFT 46-68% low
+      on the project's batching server).
+    - The per-step token budget: a profile that never offered more prompt tokens at once than the scenario's
+      budget cannot show whether the server batches more in a step; the scenario keeps the engine's default."""
+    out: list[str] = []
+    levels = [o for o in fitted if o.mode != "trace"]
+    if levels and len(levels) == len(fitted) and not any(o.length_shapes[0] for o in levels):
+        lengths = [o.input_tokens for o in levels]
+        if max(lengths) <= ONE_LENGTH * max(min(lengths), 1.0):
+            n = round(float(np.median(lengths)))
+            out.append(f"every fitted level sent prompts of ~{n} tokens: the front end's time per request and the "
+                       "prefill's time per prompt token are told apart by that one length only, so predictions for "
+                       f"other prompt lengths extrapolate; profile a second length too (e.g. --input-tokens {4 * n})")
+    offered = max(load_of(o) * o.input_tokens for o in fitted)
+    if offered <= budget:
+        out.append(f"the profile never offered more than ~{offered:,.0f} prompt tokens at once, within the "
+                   f"{budget:,}-token step budget the scenario keeps (the engine default): whether the server puts "
+                   "more prompt tokens in one step was not measured, and predictions past it assume that budget")
+    return out
+
+
+def load_of(o: Observation) -> float:
+    """Requests the level held at once: its users, or its measured in-flight mean (open loop, trace)."""
+    return o.level if o.mode == "concurrency" else (o.in_flight or 1.0)

@@ -44,6 +44,7 @@ def register(sub: common.Subparsers) -> None:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
+    import sys
     from pathlib import Path
 
     from kvcap.calibrate.output import render_table
@@ -55,6 +56,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     holdout = common.parse_levels(values, "--holdout", False) if values else ()
     result = calibrate(list(a.runs), Path(a.out), a.engine, holdout, a.model, a.gpu, holdout_trace=trace)
     common.print_notes("calibrate", result)
+    for limit in result["limits"]:
+        print(f"kvcap calibrate: note: {limit}", file=sys.stderr)
     if a.json:
         common.print_json(result)
         return 0
