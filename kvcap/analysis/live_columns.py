@@ -106,6 +106,8 @@ class _LiveLevel(_Builder):
         self.repeats: list[np.ndarray] = []
         self.after: dict[int, int] = {}
         self.unsettled = _Unsettled()
+        self.settled_at = -math.inf
+        """The bound the unsettled records were last settled against (settling again is useful only past it)."""
         self.windows_by_repeat: dict[int, Window] = {}
 
 
@@ -155,9 +157,7 @@ class LiveColumns:
         if t0 != self.t0 or repeat in level.windows_by_repeat:
             self.ok = False
             return
-        level.windows_by_repeat[repeat] = window
         idx, first, last, lens, flat = level.unsettled.joined()
-        level.unsettled = _Unsettled()
         if idx.size:
             after = np.where(first >= t1, lens + 1, 0)
             edge = np.flatnonzero((first < t1) & ~(last + MARGIN_S < t1))
@@ -166,6 +166,8 @@ class LiveColumns:
                 sub = flat[np.repeat(starts[edge], lens[edge]) + _ranks(lens[edge])]
                 after[edge] = lens[edge] + 1 - tokens_before(first[edge], sub, lens[edge], t1)
             level.after.update(zip(idx.tolist(), after.tolist()))
+        level.unsettled = _Unsettled()
+        level.windows_by_repeat[repeat] = window  # last: an interrupted close leaves the window unknown (fallback)
 
     def flush(self) -> None:
         """The buffered records into their level's columns (they all belong to the open level)."""
@@ -203,9 +205,11 @@ class LiveColumns:
                              ("repeats", cols["repeat"])):
             getattr(level, name).append(values)
         near = np.flatnonzero(has & ~(last + MARGIN_S < self.bound))
+        if level.settled_at < self.bound:  # the bound moved: earlier records may be settled now
+            level.unsettled.settle(self.bound)
+            level.settled_at = self.bound
         level.unsettled.add(level.n + near, first[near], last[near], lens[near],
                             flat[np.repeat(starts[near], lens[near]) + _ranks(lens[near])])
-        level.unsettled.settle(self.bound)
         level.n += lens.size
 
     # ------------------------------------------------------------------ the summary's side
@@ -213,8 +217,10 @@ class LiveColumns:
         """``build_summary``'s reader: these columns where they are complete and their windows are the ones asked
         for, else ``read_columns`` on the file."""
         self.flush()
+        if not self.ok or self.open_key is not None or any(kid not in self.levels for kid in self.keys.ids.values()):
+            return read_columns(path, windows)
         mine = {key: self.levels[kid].windows_by_repeat for key, kid in self.keys.ids.items()}
-        if not self.ok or self.open_key is not None or mine != windows:
+        if mine != windows:
             return read_columns(path, windows)
         out: dict[Key, LevelArrays] = {}
         names = list(self.errors.ids)

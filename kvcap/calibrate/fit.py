@@ -93,15 +93,25 @@ def estimate_slots(obs: list[Observation], facts: ServerFacts) -> tuple[int, str
     return max(round(top), DEFAULT_SLOTS), never.format(round(top))
 
 
+SAME_LENGTH = 0.05
+"""Levels whose measured mean prompt and output lengths are within this of each other ran one workload."""
+
+
 def rising_pairs(obs: list[Observation]) -> list[tuple[Observation, Observation]]:
     """Successive levels of one workload (the same prompt and output lengths), each pair a higher load than the
     last: a plateau means something only between loads of the same requests (profiles at two prompt lengths,
     given together, each keep their own ladder)."""
-    ladders: dict[tuple[int, int], list[Observation]] = {}
-    for o in obs:
-        ladders.setdefault((round(o.input_tokens), round(o.output_tokens)), []).append(o)
+    ladders: list[list[Observation]] = []
+    for o in sorted(obs, key=lambda o: (o.input_tokens, o.output_tokens)):
+        for ladder in ladders:  # measured means of one asked workload differ a little from level to level
+            if (abs(o.input_tokens - ladder[0].input_tokens) <= SAME_LENGTH * ladder[0].input_tokens
+                    and abs(o.output_tokens - ladder[0].output_tokens) <= SAME_LENGTH * ladder[0].output_tokens):
+                ladder.append(o)
+                break
+        else:
+            ladders.append([o])
     pairs = []
-    for ladder in ladders.values():
+    for ladder in ladders:
         ladder.sort(key=lambda o: o.level)
         pairs += [(lo, hi) for lo, hi in itertools.pairwise(ladder) if hi.level > lo.level]
     return pairs
