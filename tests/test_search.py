@@ -157,7 +157,10 @@ def test_ctrl_c_keeps_the_finished_points_and_resume_runs_only_the_rest(tmp_path
     assert result["interrupted"] is False and result["finished"] == result["points"] == 8
     final = [json.loads(x) for x in (out / "points.jsonl").read_text().splitlines()]
     assert [r["index"] for r in final] == list(range(8))
-    assert [r for r in final if r["run_dir"] in kept] == rows  # the finished points are kept, not run again
+    # the finished points are kept, not run again; meets_target is judged anew over every finished point (with no
+    # --target it means "the best effective capacity found", which the points run after the resume can raise)
+    assert ([{k: v for k, v in r.items() if k != "meets_target"} for r in final if r["run_dir"] in kept]
+            == [{k: v for k, v in r.items() if k != "meets_target"} for r in rows])
     assert all((out / d / "summary.json").stat().st_mtime_ns == t for d, t in kept.items())
     timed = [json.loads(x)["index"] for x in (out / "timings.jsonl").read_text().splitlines()]
     assert sorted(timed) == list(range(8))  # every point ran exactly once over both runs
