@@ -359,3 +359,31 @@ def test_profiles_at_two_prompt_lengths_calibrate_together_and_pin_the_prefill(t
     assert cost["base"] == pytest.approx(0.010, rel=0.1)
     assert cost["per_decode"] == pytest.approx(0.002, rel=0.1)
     assert cost["per_prefill_token"] == pytest.approx(50e-6, rel=0.15)
+
+
+def test_a_profile_past_the_step_budget_tells_whether_the_server_has_one(tmp_path):
+    """The batching server puts every waiting prompt in one step (its truth has no token budget). A profile that
+    offers more prompt tokens at once than the engine default (8 × 512 = 4,096 > 2,048) shows it: the fit without
+    a budget is kept, and 1,024-token prompts — never profiled — come out within 5% on TTFT, TPOT and throughput
+    (with the default budget kept: TTFT -46%/-68%, TPOT +17%/+35%)."""
+    runs = {}
+    with start_fake_server(slots=8, step_a="10ms", step_b="2ms", prefill_per_token="0.05ms") as srv:
+        for name, n_in, levels in (("p64", "64", "1,2,4,8"), ("p512", "512", "1,4,8"), ("m1024", "1024", "4,8")):
+            p = run_cli("bench", "--url", srv.url, "--out", str(tmp_path / name), "--quiet", "--json",
+                        "--input-tokens", n_in, "--output-tokens", "32", "--concurrency", levels, "--warmup", "1s",
+                        "--duration", "3s", timeout=180)
+            assert p.returncode == 0, p.stderr[-2000:]
+            runs[name] = {lv["level"]: lv for lv in json.loads(p.stdout)["levels"]}
+    r = calibrate_json(str(tmp_path / "p64"), str(tmp_path / "p512"), "--out", str(tmp_path / "cal.yaml"))
+    assert any(n.startswith("step budget:") for n in r["fit"]["notes"]), r["fit"]
+    scenario = yaml.safe_load((tmp_path / "cal.yaml").read_text())
+    assert scenario["serving"]["max_num_batched_tokens"] >= 8 * 1024
+    sim = run_cli("sim", str(tmp_path / "cal.yaml"), "--concurrency", "4,8", "--input-tokens", "1024",
+                  "--output-tokens", "32", "--out", str(tmp_path / "sim"), "--quiet", "--json")
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    predicted = {lv["level"]: lv for lv in json.loads(sim.stdout)["levels"]}
+    for c in (4, 8):
+        p, m = predicted[c], runs["m1024"][c]
+        assert p["ttft_ms"]["p50"] == pytest.approx(m["ttft_ms"]["p50"], rel=0.05), c
+        assert p["tpot_ms"]["p50"] == pytest.approx(m["tpot_ms"]["p50"], rel=0.05), c
+        assert p["output_tok_s"] == pytest.approx(m["output_tok_s"], rel=0.08), c

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,22 +56,39 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     profile = engine_of(facts, engine)
     hint = min(o.tpot_p50 for o in obs)
 
-    def base_for(cost: StepCost, slots: int) -> tuple[dict[str, Any], str]:
+    budget: int | None = None
+    """The per-step token budget the scenario states (None: the engine default)."""
+
+    def base_for(cost: StepCost, slots: int, budget: int | None = None) -> tuple[dict[str, Any], str]:
         kv, source = kv_tokens_of(facts, slots, memory_arithmetic=bool(model and gpu))
-        return base_scenario(cost, profile, slots, kv, model, gpu, facts.prefix_caching), source
+        data = base_scenario(cost, profile, slots, kv, model, gpu, facts.prefix_caching)
+        if budget is not None:
+            data["serving"]["max_num_batched_tokens"] = budget
+        return data, source
 
-    def sim_for(slots: int) -> Simulator:
-        return lambda cost: simulate(base_for(cost, slots)[0], fitted, hint)
+    def sim_for(budget: int | None) -> Callable[[int], Simulator]:
+        return lambda slots: lambda cost: simulate(base_for(cost, slots, budget)[0], fitted, hint)
 
-    result = fit(fitted, facts, sim_for, max_evals)
-    base, kv_source = base_for(result.cost, result.slots)
+    result = fit(fitted, facts, sim_for(None), max_evals)
+    offered = max(load_of(o) * o.input_tokens for o in fitted)
+    if offered > DEFAULT_BUDGET:  # the profile put the default budget to the test: does the server have one?
+        try:
+            unbounded = fit(fitted, facts, sim_for(NO_BUDGET), max_evals)
+        except InputError:
+            unbounded = None
+        if unbounded is not None and (unbounded.rms_error or 1.0) < (result.rms_error or 0.0) * BUDGET_GAIN:
+            note = (f"step budget: the profile offered up to ~{offered:,.0f} prompt tokens at once; the fit is "
+                    f"{unbounded.rms_error:.1%} off (RMS) with every waiting prompt in one step, "
+                    f"{result.rms_error:.1%} with the engine's {DEFAULT_BUDGET:,}-token budget: kept without one")
+            result, budget = replace(unbounded, notes=[*unbounded.notes, note]), NO_BUDGET
+    base, kv_source = base_for(result.cost, result.slots, budget)
     simulated = simulate(base, obs, hint)
     rows = table_rows(obs, simulated, {key(o) for o in held})
     fit_error = summary_errors([r for r in rows if not r["held_out"]])
     holdout_error = summary_errors([r for r in rows if r["held_out"]]) if held else None
     section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
     section["warnings"] = misfits(rows)
-    section["limits"] = limits(fitted, int(base["serving"].get("max_num_batched_tokens") or DEFAULT_BUDGET))
+    section["limits"] = limits(fitted, DEFAULT_BUDGET if budget is None else None)
     write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")
     return {"scenario": str(out), "engine": profile, "slots": result.slots, "slots_source": result.slots_source,
             "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": section["coefficients"],
@@ -98,18 +117,23 @@ def misfits(rows: list[dict[str, Any]]) -> list[str]:
 
 
 DEFAULT_BUDGET = ServingSpec.model_fields["max_num_batched_tokens"].default
+NO_BUDGET = 1 << 20
+"""``max_num_batched_tokens`` of a server that puts every waiting prompt in one step (no budget seen)."""
+BUDGET_GAIN = 0.8
+"""The fit without a step budget is taken only where its RMS error is below this share of the default's."""
 ONE_LENGTH = 1.25
 """Fitted levels whose mean prompt lengths all lie within this ratio sent one prompt length."""
 
 
-def limits(fitted: list[Observation], budget: int) -> list[str]:
+def limits(fitted: list[Observation], budget: int | None) -> list[str]:
     """What the fitted levels could not show, said once: a what-if along that axis extrapolates the fit.
 
     - One prompt length: TTFT holds the front end's time per request plus the prefill of that length; a second
       length is what tells the two apart (a profile at 64 tokens predicted 1,024-token prompts' TTFT 46-68% low
       on the project's batching server).
     - The per-step token budget: a profile that never offered more prompt tokens at once than the scenario's
-      budget cannot show whether the server batches more in a step; the scenario keeps the engine's default."""
+      budget cannot show whether the server batches more in a step; the scenario keeps the engine's default
+      (``budget``; None: the fit chose no budget, having seen more)."""
     out: list[str] = []
     levels = [o for o in fitted if o.mode != "trace"]
     if levels and len(levels) == len(fitted) and not any(o.length_shapes[0] for o in levels):
@@ -120,7 +144,7 @@ def limits(fitted: list[Observation], budget: int) -> list[str]:
                        "prefill's time per prompt token are told apart by that one length only, so predictions for "
                        f"other prompt lengths extrapolate; profile a second length too (e.g. --input-tokens {4 * n})")
     offered = max(load_of(o) * o.input_tokens for o in fitted)
-    if offered <= budget:
+    if budget is not None and offered <= budget:
         out.append(f"the profile never offered more than ~{offered:,.0f} prompt tokens at once, within the "
                    f"{budget:,}-token step budget the scenario keeps (the engine default): whether the server puts "
                    "more prompt tokens in one step was not measured, and predictions past it assume that budget")
