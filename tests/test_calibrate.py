@@ -155,6 +155,25 @@ def test_what_a_profile_could_not_show_is_said_once():
     assert limits(two, 2048) == []
 
 
+def test_a_what_if_on_prompts_far_from_the_profiled_ones_is_called_an_extrapolation(tmp_path):
+    """``kvcap sim`` on a calibrated scenario says so when the prompts asked are far (over 1.5×) from those the
+    fit saw; within that, nothing is said."""
+    scenario = tmp_path / "calibrated.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "serving": {"engine": "vllm", "max_num_seqs": 8, "kv_tokens": 65536,
+                    "step_cost": {"base": "10ms", "per_decode": "2ms", "per_prefill_token": "0.05ms"}},
+        "workload": {"input_tokens": 64, "output_tokens": 32},
+        "calibration": {"profiled_input_tokens": [64, 96], "limits": []}}))
+    for n_in, far in (("1024", True), ("128", False), ("48", False), ("16", True)):
+        p = run_cli("sim", str(scenario), "--concurrency", "2", "--requests", "10", "--warmup", "0s",
+                    "--input-tokens", n_in, "--output-tokens", "8", "--out", str(tmp_path / n_in), "--quiet")
+        assert p.returncode == 0, p.stderr
+        said = "extrapolates the fitted prefill cost" in p.stderr
+        assert said == far, (n_in, p.stderr)
+        if far:
+            assert f"prompts of ~{n_in} tokens on a scenario calibrated on prompts of ~64–96" in p.stderr
+
+
 # ---------------------------------------------------------------- over real HTTP
 
 def bench(url: str, out: Path, *args: str) -> None:
@@ -355,6 +374,7 @@ def test_profiles_at_two_prompt_lengths_calibrate_together_and_pin_the_prefill(t
             assert p.returncode == 0, p.stderr[-2000:]
     r = calibrate_json(str(tmp_path / "p64"), str(tmp_path / "p512"), "--out", str(tmp_path / "two.yaml"))
     cost = {k: v["value_s"] for k, v in r["step_cost"].items()}
+    assert yaml.safe_load((tmp_path / "two.yaml").read_text())["calibration"]["profiled_input_tokens"] == [64, 512]
     assert r["slots"] == 256 and "never seen full" in r["slots_source"]
     assert cost["base"] == pytest.approx(0.010, rel=0.1)
     assert cost["per_decode"] == pytest.approx(0.002, rel=0.1)

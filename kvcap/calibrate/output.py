@@ -152,3 +152,21 @@ def render_table(rows: list[dict[str, Any]], title: str) -> None:
             cells.append(f"{r['measured'][m]:.1f} / " + ("–" if sim is None else f"{sim:.1f} ({err:+.1f}%)"))
         t.add_row(row_label(r) + (" (held out)" if r["held_out"] else ""), *cells)
     make_console().print(t)
+
+
+PROFILED_SPAN = 1.5
+"""A what-if's mean prompt more than this factor outside the calibrated prompt lengths is called an extrapolation."""
+
+
+def extrapolation(calibration: dict[str, Any] | None, input_mean: float) -> str | None:
+    """The note ``kvcap sim`` prints when a calibrated scenario is asked about prompts well outside the lengths it
+    was fitted on: the prefill's cost per token, and how prompts share a step, were measured only there."""
+    span = (calibration or {}).get("profiled_input_tokens")
+    if not span:
+        return None
+    lo, hi = span
+    if lo / PROFILED_SPAN <= input_mean <= hi * PROFILED_SPAN:
+        return None
+    profiled = f"{lo}" if lo == hi else f"{lo}–{hi}"
+    return (f"prompts of ~{input_mean:.0f} tokens on a scenario calibrated on prompts of ~{profiled}: this prediction "
+            "extrapolates the fitted prefill cost (see the scenario's calibration.limits)")

@@ -89,6 +89,8 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
     section["warnings"] = misfits(rows)
     section["limits"] = limits(fitted, DEFAULT_BUDGET if budget is None else None)
+    section["profiled_input_tokens"] = [round(min(o.input_tokens for o in fitted)),
+                                        round(max(o.input_tokens for o in fitted))]
     write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")
     return {"scenario": str(out), "engine": profile, "slots": result.slots, "slots_source": result.slots_source,
             "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": section["coefficients"],

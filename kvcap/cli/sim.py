@@ -113,6 +113,12 @@ def _sim_config(a: argparse.Namespace) -> Any:
                      record_itl=not a.no_itl)
     for note in cfg.notes:
         print(f"kvcap sim: note: {note}", file=sys.stderr)
+    if not a.trace:
+        from kvcap.calibrate.output import extrapolation
+
+        far = extrapolation(cfg.scenario.calibration, cfg.scenario.workload.input_dist.mean)
+        if far:
+            print(f"kvcap sim: note: {far}", file=sys.stderr)
     return cfg
 
 
