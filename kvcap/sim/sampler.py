@@ -1,0 +1,134 @@
+"""The simulated cluster's telemetry, as ``kvcap sim`` writes it: one sample of every replica, link and tier each
+``SAMPLE_S`` of simulated time, written on change (a series' row only when its value moved).
+
+Why apart from the load driver (``kvcap.sim.run``): what a simulated server exposes as metrics — which series,
+their names and labels, counters turned into rates, the thinning that keeps a long run's telemetry proportional
+to what changed — is its own job, read by nothing else of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvcap.analysis.telemetry import HOLD
+from kvcap.sim.engine import Simulation
+
+SAMPLE_S = 1.0
+
+
+class Sampler:
+    """Telemetry of a running simulation, sampled per replica/link/tier each ``SAMPLE_S`` of simulated time.
+
+    Written on change (``thin``): a series' row only when its value differs from its previous sample, marked
+    ``hold_s`` (the value holds at each step until that series' next row), plus every series' first and last
+    sample of the level (the last without ``hold_s``, so nothing is held across the gap to the next level).
+    ``kvcap.analysis.telemetry.expand_held`` puts the rows back on the grid: readers see the same rows.
+
+    The series (name and labels) are fixed for a level, so they are listed once; a sample is one list of
+    values in that order, and a row (a dict) is built only for a value that is written."""
+
+    def __init__(self, sim: Simulation, offset: float, emit: Callable[[list[dict[str, Any]]], None],
+                 tiers: tuple[str, ...], thin: bool = True):
+        self.sim, self.offset, self.emit, self.thin = sim, offset, emit, thin
+        self._last: list[float] | None = None
+        """The latest sample's values, series by series (thin)."""
+        self._last_ts = 0.0
+        self._pending: list[tuple[float, int, float]] = []
+        """The latest sample's changed values (t_s, series, value), held back until the next sample shows it was
+        not the level's last."""
+        self.next_t = 0.0
+        self.rows = 0
+        self.tiers = tiers
+        self._busy = [0.0] * len(sim.replicas)
+        self._moved = {id(link): 0.0 for link in sim.links.links}
+        self._tx = {id(link): 0.0 for link in sim.links.links}
+        used = {"host"} if "host" in tiers else set()
+        if "remote" in tiers:
+            used |= {"nic", "pool"}
+        self.links = [link for link in sim.links.links if link.kind in used]
+        self.series = self._series()
+        """(name, labels) of every series, in the order :meth:`_values` gives their values."""
+
+    def _series(self) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        for rep in self.sim.replicas:
+            lab = {"replica": f"r{rep.index}", "node": f"n{rep.cfg.node}"}
+            names = ["server.requests_running", "server.requests_waiting"]
+            names += ["server.requests_parked"] if self.tiers else []
+            names += ["server.kv_usage", "server.preemptions_total", "server.prompt_tokens_total",
+                      "server.generation_tokens_total", "gpu.util"]
+            out += [(name, lab) for name in names]
+        for link in self.links:
+            lab = {"link": link.name, "kind": link.kind}
+            if link.node is not None:
+                lab["node"] = f"n{link.node}"
+            out.append(("link.util", lab))
+            if link.kind == "nic":
+                out += [("net.tx_bytes_s", lab), ("net.rx_bytes_s", lab)]
+        for name, group in self.sim.tiers.items():
+            for i in range(len(group)):
+                out.append(("server.kv_tier_usage", {"tier": name} | ({"node": f"n{i}"} if name == "host" else {})))
+        return out
+
+    def _values(self, t: float) -> list[float]:
+        """Every series' value at ``t`` (counters as rates over the last ``SAMPLE_S``), in ``series`` order."""
+        sim, tiers, first = self.sim, self.tiers, t <= 0
+        values: list[float] = []
+        add = values.append
+        for rep in sim.replicas:
+            add(len(rep.running))
+            add(len(rep.waiting))
+            if tiers:
+                add(len(rep.parked) + rep.moving)
+            add(round(rep.kv_usage(), 5))
+            add(rep.preemptions)
+            add(rep.prompt_tokens)
+            add(rep.generation_tokens)
+            busy = rep.busy_at(t)
+            add(0.0 if first else round(min(1.0, (busy - self._busy[rep.index]) / SAMPLE_S), 5))
+            self._busy[rep.index] = busy
+        if self.links:
+            sim.links.advance(t)
+            for link in self.links:
+                moved, tx = link.moved_bytes - self._moved[id(link)], link.tx_bytes - self._tx[id(link)]
+                self._moved[id(link)], self._tx[id(link)] = link.moved_bytes, link.tx_bytes
+                add(0.0 if first else round(moved / SAMPLE_S / link.nominal_bytes_s, 5))
+                if link.kind == "nic":
+                    add(0.0 if first else round(tx / SAMPLE_S, 1))
+                    add(0.0 if first else round((moved - tx) / SAMPLE_S, 1))
+        for group in sim.tiers.values():
+            for tier in group:
+                add(round(tier.used / tier.capacity, 5) if tier.capacity else 0.0)
+        return values
+
+    def _row(self, ts: float, i: int, value: float) -> dict[str, Any]:
+        name, labels = self.series[i]
+        return {"t_s": ts, "source": "sim", "name": name, "labels": labels, "value": value}
+
+    def until(self, t: float) -> None:
+        while self.next_t <= t:
+            self.sample(self.next_t)
+            self.next_t += SAMPLE_S
+
+    def sample(self, t: float) -> None:
+        ts = round(self.offset + t, 6)
+        values = self._values(t)
+        if not self.thin:
+            rows = [self._row(ts, i, v) for i, v in enumerate(values)]
+        else:  # the previous sample's changed rows (now known to hold); this sample's are kept pending
+            prev = self._last
+            rows = [self._row(pts, i, v) | {HOLD: SAMPLE_S} for pts, i, v in self._pending]
+            self._pending = ([(ts, i, v) for i, v in enumerate(values)] if prev is None else
+                             [(ts, i, v) for i, (v, p) in enumerate(zip(values, prev)) if p != v])
+            self._last, self._last_ts = values, ts
+        self.rows += len(rows)
+        self.emit(rows)
+
+    def finish(self) -> None:
+        """The level's last sample of every series, not held (thin; the full grid has written it already)."""
+        if self.thin and self._last is not None:
+            rows = [self._row(self._last_ts, i, v) for i, v in enumerate(self._last)]
+            self._pending = []
+            self.rows += len(rows)
+            self.emit(rows)
