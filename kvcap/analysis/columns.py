@@ -33,6 +33,9 @@ SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
 """The per-request latencies an SLO item can limit (``<metric>_ms``)."""
 ITL_EXACT_MAX = 2_000_000
 """ITL values per level kept as floats (16 MB); past it, counts per 1 µs value (exact order statistics)."""
+EDGE_MARGIN_S = 1e-6
+"""A record whose last token is this close to a window's edge is counted token by token (its last token time is
+summed in another order than the running sums, and window bounds are rounded to the µs)."""
 BINCOUNT_US = 1 << 20
 """ITLs (µs) below this (~1 s) are counted with a table of at most 8 MB, the rest sorted (``_value_counts``)."""
 _FLOATS = {"start": ("start_s", 0.0), "ttft": ("ttft_ms", np.nan), "tpot": ("tpot_ms", np.nan),
@@ -295,26 +298,36 @@ def _count_tokens(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, windows
     has = (lens > 0) & ~np.isnan(first)
     if flat.size and flat.min() < 0:
         return _count_each_token(first, flat, lens, windows, has)
-    starts = np.cumsum(lens) - lens
-    total = np.zeros(lens.size)
-    some = lens > 0
-    if flat.size:
-        total[some] = np.add.reduceat(flat, starts[some])
-    last = first + total / 1e3
-    margin = 1e-6
+    last = last_token_times(first, flat, lens)
     out = []
     edge = np.zeros(lens.size, bool)
     for t0, t1 in windows:
-        inside = has & (first >= t0) & (last + margin < t1)
-        outside = (first >= t1) | (last + margin < t0)
+        inside = has & (first >= t0) & (last + EDGE_MARGIN_S < t1)
+        outside = (first >= t1) | (last + EDGE_MARGIN_S < t0)
         out.append(np.where(inside, lens + 1, 0).astype(np.int64))
         edge |= has & ~inside & ~outside  # across an edge (or a sum that is not finite)
     if edge.any():
         rows = np.flatnonzero(edge)
-        sub = flat[np.repeat(starts[rows], lens[rows]) + _ranks(lens[rows])]
-        for count, exact in zip(out, _count_each_token(first[rows], sub, lens[rows], windows, has[rows])):
-            count[rows] = exact
+        exact = _count_each_token(first[rows], itls_of(flat, lens, rows), lens[rows], windows, has[rows])
+        for count, part in zip(out, exact):
+            count[rows] = part
     return out
+
+
+def itls_of(flat: np.ndarray, lens: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The ITLs of records ``rows`` (in that order) out of their chunk's flat array (``lens`` per record)."""
+    starts = np.cumsum(lens) - lens
+    return flat[np.repeat(starts[rows], lens[rows]) + _ranks(lens[rows])]
+
+
+def last_token_times(first: np.ndarray, flat: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Each record's last token time: its first plus its ITLs (ms) summed (in another order than the running
+    sums of :func:`_count_each_token`: within ``EDGE_MARGIN_S`` of them)."""
+    total = np.zeros(lens.size)
+    some = lens > 0
+    if flat.size:
+        total[some] = np.add.reduceat(flat, (np.cumsum(lens) - lens)[some])
+    return first + total / 1e3
 
 
 def _count_each_token(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, windows: Sequence[Window],
@@ -373,9 +386,7 @@ class _Builder:
         if rows is None:
             flat = cols["itl"]
         else:  # this level's ITLs out of the chunk's flat array
-            ends = np.cumsum(cols["itl_len"])
-            starts = ends - cols["itl_len"]
-            flat = cols["itl"][np.repeat(starts[rows], lens) + _ranks(lens)] if lens.sum() else np.zeros(0)
+            flat = itls_of(cols["itl"], cols["itl_len"], rows) if lens.sum() else np.zeros(0)
         mine["has_itl"] = lens > 0
         for k, v in mine.items():
             if k not in self.parts:

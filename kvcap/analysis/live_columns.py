@@ -23,30 +23,26 @@ from typing import Any
 
 import numpy as np
 
+from kvcap.analysis.columns import EDGE_MARGIN_S as MARGIN_S
 from kvcap.analysis.columns import (
     Key,
     LevelArrays,
     Window,
     _Builder,
+    _count_each_token,
     _error_codes,
     _extract,
     _level_codes,
-    _ranks,
-    _segmented_cumsum,
+    itls_of,
+    last_token_times,
     read_columns,
 )
 
-MARGIN_S = 1e-6
-"""A record's last token time is summed in another order than its token-by-token times (and window ends are
-rounded to the µs): within this of an edge, the record is counted token by token."""
-
 
 def tokens_before(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, t: float) -> np.ndarray:
-    """Per record: its ITL-timed tokens (the first included) before ``t``, from every token's time, computed as
-    :func:`~kvcap.analysis.columns._count_tokens` does (the same floats)."""
-    owner = np.repeat(np.arange(lens.size), lens)
-    times = first[owner] + _segmented_cumsum(flat, lens) / 1e3
-    return (first < t).astype(np.int64) + np.bincount(owner[times < t], minlength=lens.size)
+    """Per record (each with ITLs and a first token): its tokens before ``t``, counted token by token as the file's
+    path counts them (the same floats)."""
+    return _count_each_token(first, flat, lens, [(-math.inf, t)], np.ones(lens.size, bool))[0]
 
 
 def _join(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
@@ -85,12 +81,9 @@ class _Unsettled:
         if not self.idx:
             return
         idx, first, last, lens, flat = self.joined()
-        keep = ~(last + MARGIN_S < bound)
-        starts = np.cumsum(lens) - lens
-        rows = np.flatnonzero(keep)
+        rows = np.flatnonzero(~(last + MARGIN_S < bound))
         self.clear()
-        self.add(idx[rows], first[rows], last[rows], lens[rows],
-                 flat[np.repeat(starts[rows], lens[rows]) + _ranks(lens[rows])])
+        self.add(idx[rows], first[rows], last[rows], lens[rows], itls_of(flat, lens, rows))
 
 
 class _LiveLevel(_Builder):
@@ -162,9 +155,7 @@ class LiveColumns:
             after = np.where(first >= t1, lens + 1, 0)
             edge = np.flatnonzero((first < t1) & ~(last + MARGIN_S < t1))
             if edge.size:
-                starts = np.cumsum(lens) - lens
-                sub = flat[np.repeat(starts[edge], lens[edge]) + _ranks(lens[edge])]
-                after[edge] = lens[edge] + 1 - tokens_before(first[edge], sub, lens[edge], t1)
+                after[edge] = lens[edge] + 1 - tokens_before(first[edge], itls_of(flat, lens, edge), lens[edge], t1)
             level.after.update(zip(idx.tolist(), after.tolist()))
         level.unsettled = _Unsettled()
         level.windows_by_repeat[repeat] = window  # last: an interrupted close leaves the window unknown (fallback)
@@ -188,19 +179,13 @@ class LiveColumns:
         lens, flat = cols["itl_len"], cols["itl"]
         first = cols["start"] + cols["ttft"] / 1e3
         has = (lens > 0) & ~np.isnan(first)
-        starts = np.cumsum(lens) - lens
-        total = np.zeros(lens.size)
-        if flat.size:
-            some = lens > 0
-            total[some] = np.add.reduceat(flat, starts[some])
-        last = first + total / 1e3
+        last = last_token_times(first, flat, lens)
         n_tokens = np.where(has, lens + 1, 0)
         t0 = self.t0
         before = np.where(last + MARGIN_S < t0, n_tokens, 0)
         edge = np.flatnonzero(has & (first < t0) & ~(last + MARGIN_S < t0))
         if edge.size:
-            sub = flat[np.repeat(starts[edge], lens[edge]) + _ranks(lens[edge])]
-            before[edge] = tokens_before(first[edge], sub, lens[edge], t0)
+            before[edge] = tokens_before(first[edge], itls_of(flat, lens, edge), lens[edge], t0)
         for name, values in (("before", before), ("first", first), ("last", last), ("total", n_tokens),
                              ("repeats", cols["repeat"])):
             getattr(level, name).append(values)
@@ -208,8 +193,7 @@ class LiveColumns:
         if level.settled_at < self.bound:  # the bound moved: earlier records may be settled now
             level.unsettled.settle(self.bound)
             level.settled_at = self.bound
-        level.unsettled.add(level.n + near, first[near], last[near], lens[near],
-                            flat[np.repeat(starts[near], lens[near]) + _ranks(lens[near])])
+        level.unsettled.add(level.n + near, first[near], last[near], lens[near], itls_of(flat, lens, near))
         level.n += lens.size
 
     # ------------------------------------------------------------------ the summary's side
