@@ -12,6 +12,8 @@ import yaml
 from kvcap.rundir import RunDir
 from kvcap.sim.batch_shape import BatchShape
 from kvcap.sim.cost_empirical import EmpiricalCost
+from kvcap.sim.policy_llamacpp import SlotTable, forward_passes
+from kvcap.sim.request import SimRequest
 from kvcap.specs.model import load_model
 from tests.conftest import run_cli
 from tests.servers import start_fake_server
@@ -37,8 +39,8 @@ def levels(summary: dict) -> dict[float, dict]:
     return {lv["level"]: lv for lv in summary["levels"]}
 
 
-LLAMACPP_LIKE_TEST_SERVER = {
-    "engine": "llamacpp", "max_num_seqs": SLOTS, "kv_tokens": SLOTS * 1024,
+LLAMACPP_LIKE_TEST_SERVER = {  # one forward pass a step, whatever slots are busy: llama.cpp's unified KV
+    "engine": "llamacpp", "max_num_seqs": SLOTS, "kv_tokens": SLOTS * 1024, "kv_unified": True,
     "step_cost": {"base": f"{A_S * 1e3}ms", "per_decode": f"{B_S * 1e3}ms", "per_prefill_token": f"{P_S * 1e3}ms"},
 }
 
@@ -116,13 +118,14 @@ def test_llamacpp_full_slot_context_truncates_and_a_prompt_that_fills_it_is_refu
 
 
 def test_llamacpp_chunks_a_long_prompt_by_n_batch(tmp_path):
-    # 3000 prompt tokens, n_batch 2048: two steps of prefill (2048 + 952), each a sampled row, at c = 1
+    # 3000 prompt tokens, n_batch 2048: two steps of prefill (2048 + 952), each a sampled row, at c = 1; each step
+    # runs its tokens in passes of n_ubatch = 512 (4 + 2), each pass paying the fixed part
     cost = {"base": "10ms", "per_decode": "2ms", "per_prefill_token": "0.01ms"}
     path = scenario(tmp_path, {"engine": "llamacpp", "max_num_seqs": 2, "kv_tokens": 8192,
                                "max_num_batched_tokens": 2048, "step_cost": cost},
                     {"input_tokens": 3000, "output_tokens": 8})
     lv = levels(sim(path, tmp_path / "run", "--concurrency", "1", "--warmup", "0s", "--requests", "3"))[1]
-    assert lv["ttft_ms"]["p50"] == pytest.approx(2 * 10 + 2 * 2 + 0.01 * 3000, abs=1e-3)
+    assert lv["ttft_ms"]["p50"] == pytest.approx((4 + 2) * 10 + 2 * 2 + 0.01 * 3000, abs=1e-3)
     assert lv["tpot_ms"]["p50"] == pytest.approx(10 + 2, abs=1e-3)
 
 
@@ -166,3 +169,46 @@ def test_per_request_delays_the_first_token_by_exactly_its_time_and_takes_no_eng
     assert plain["ttft_ms"]["p50"] == pytest.approx(first_step, rel=1e-6)
     assert slow["ttft_ms"]["p50"] == pytest.approx(first_step + 4.0, rel=1e-6)
     assert slow["tpot_ms"]["p50"] == pytest.approx(plain["tpot_ms"]["p50"], rel=1e-9)
+
+
+@pytest.mark.parametrize(("tokens", "passes"), [
+    ([1, 1, 1, 1], 1),  # one run of busy slots: one pass
+    ([1, 1, 0, 0, 1, 1, 0, 0], 2),  # {0, 1, 4, 5}: a pass per run (pinned 1.79 ms against 1.38 for one run)
+    ([1, 0, 1, 0, 1, 0, 1, 0], 4),  # {0, 2, 4, 6} (pinned 2.85 ms)
+    ([0, 0, 48], 1),  # a lone prompt: one ubatch
+    ([1, 1, 48, 1], 2),  # a prompt beside decodes: one token from each, then the prompt's other 47 alone
+    ([2048], 4),  # n_ubatch = 512 tokens a pass
+    ([0, 0, 0], 0),
+])
+def test_llamacpp_forward_passes_follow_split_equal(tokens, passes):
+    assert forward_passes(tokens) == passes
+
+
+def test_llamacpp_slot_choice_is_least_recently_released():
+    table = SlotTable(4)
+    reqs = [SimRequest(rid=i, arrival=0.0, prompt=8, max_out=4) for i in range(6)]
+    assert [table.take(r) for r in reqs[:4]] == [3, 2, 1, 0]  # never used: the highest id first
+    reqs[0].state = reqs[2].state = "done"  # slots 3 and 1 released in one step: the lower id counts as older
+    table.free_finished(1.0)
+    assert table.take(reqs[4]) == 1
+    reqs[4].state = "done"
+    table.free_finished(2.0)  # slot 1 again, later than slot 3
+    assert table.take(reqs[5]) == 3
+
+
+def test_llamacpp_scattered_slots_cost_a_pass_each(tmp_path):
+    """Three slots, a trace: A, B, C arrive together and take slots 2, 1, 0; A finishes, then B; D then takes
+    the least recently released slot, 2 (A's), so C (slot 0) and D decode in two passes: a step of
+    2·base + 2·per_decode, where one pass (unified KV) is base + 2·per_decode."""
+    trace = tmp_path / "trace.jsonl"
+    rows = [(0.0, 3), (0.0, 5), (0.0, 400), (1.0, 20)]  # (arrival s, output tokens); A, B, C, D
+    trace.write_text("".join(json.dumps({"arrival_s": t, "input_tokens": 16, "output_tokens": n}) + "\n"
+                             for t, n in rows))
+    serving = {"engine": "llamacpp", "max_num_seqs": 3, "kv_tokens": 3 * 512,
+               "step_cost": {"base": "10ms", "per_decode": "1ms"}}
+    for unified, step_ms in ((False, 2 * 10 + 2 * 1), (True, 10 + 2 * 1)):
+        path = scenario(tmp_path, {**serving, "kv_unified": unified}, {"input_tokens": 16, "output_tokens": 8},
+                        f"u{unified}.yaml")
+        sim(path, tmp_path / f"run{unified}", "--trace", str(trace), "--warmup", "0s")
+        d = next(r for r in RunDir(tmp_path / f"run{unified}").records() if r["output_tokens"] == 20)
+        assert d["tpot_ms"] == pytest.approx(step_ms, abs=1e-6), unified

@@ -49,11 +49,15 @@ def split_holdout(obs: list[Observation], holdout: tuple[float, ...],
 
 def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tuple[float, ...] = (),
               model: str | None = None, gpu: str | None = None, max_evals: int = MAX_EVALS,
-              holdout_trace: bool = False) -> dict[str, Any]:
-    """Fit, write ``out`` (only when the fit converged), and return what ``--json`` prints."""
+              holdout_trace: bool = False, kv_unified: bool = False) -> dict[str, Any]:
+    """Fit, write ``out`` (only when the fit converged), and return what ``--json`` prints. ``kv_unified``: the
+    llama.cpp server ran with ``--kv-unified`` (its /props does not say so): a step is one forward pass."""
     obs, facts = observe(runs)
     fitted, held = split_holdout(obs, holdout, holdout_trace)
     profile = engine_of(facts, engine)
+    if kv_unified and profile != "llamacpp":
+        raise InputError(f"--kv-unified is a llama.cpp server's option; the profile here is {profile} "
+                         "(pass --engine llamacpp if the server is llama.cpp)")
     hint = min(o.tpot_p50 for o in obs)
 
     budget: int | None = None
@@ -64,6 +68,8 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
         data = base_scenario(cost, profile, slots, kv, model, gpu, facts.prefix_caching)
         if budget is not None:
             data["serving"]["max_num_batched_tokens"] = budget
+        if kv_unified:
+            data["serving"]["kv_unified"] = True
         return data, source
 
     def sim_for(budget: int | None) -> Callable[[int], Simulator]:

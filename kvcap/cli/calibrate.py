@@ -33,6 +33,9 @@ def register(sub: common.Subparsers) -> None:
     p.add_argument("--out", required=True, metavar="SCENARIO.yaml", help="the calibrated scenario to write")
     p.add_argument("--engine", choices=("vllm", "llamacpp"),
                    help="scheduling profile (default: llamacpp if the server answered /props, else vllm)")
+    p.add_argument("--kv-unified", action="store_true",
+                   help="the llama.cpp server ran with --kv-unified (its /props does not say): a step is one "
+                        "forward pass, not one per run of consecutive busy slots")
     p.add_argument("--holdout", metavar="LEVELS",
                    help="levels to leave out of the fit and report the prediction error on, e.g. 8 or 4,8; "
                         "'trace' holds out every trace replay, e.g. 8,trace")
@@ -54,7 +57,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     trace = "trace" in parts
     values = ",".join(x for x in parts if x != "trace")
     holdout = common.parse_levels(values, "--holdout", False) if values else ()
-    result = calibrate(list(a.runs), Path(a.out), a.engine, holdout, a.model, a.gpu, holdout_trace=trace)
+    result = calibrate(list(a.runs), Path(a.out), a.engine, holdout, a.model, a.gpu, holdout_trace=trace,
+                       kv_unified=a.kv_unified)
     common.print_notes("calibrate", result)
     for limit in result["limits"]:
         print(f"kvcap calibrate: note: {limit}", file=sys.stderr)

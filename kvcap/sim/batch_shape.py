@@ -44,6 +44,10 @@ class BatchShape:
     prefill_window_context_tokens: int | None = None
     prefill_window_attn_pairs: float | None = None
     decode_window_tokens: int | None = None
+    passes: int = 1
+    """Forward passes the engine runs for this step: 1 for vLLM; llama.cpp's split KV runs one per run of
+    consecutive busy slots and more for a prompt beside decodes (:func:`kvcap.sim.policy_llamacpp.forward_passes`).
+    A measured step cost pays its fixed part per pass; the roofline prices one pass (vLLM)."""
 
     @classmethod
     def of(cls, prefill: Iterable[tuple[int, int]] = (), decode: Iterable[int] = (),

@@ -101,7 +101,7 @@ def _policy(cm: ClusterModel, blocks_for: Callable[[int], int] | None) -> tuple[
     if sv.engine == "llamacpp":
         ctx = slot_context(cm)
         per_slot = blocks_for(ctx) if blocks_for is not None else -(-ctx // sv.block_size)
-        return LlamaCppPolicy(ctx), per_slot * sv.max_num_seqs
+        return LlamaCppPolicy(ctx, split_kv=not sv.kv_unified), per_slot * sv.max_num_seqs
     return VllmPolicy(), cm.plan.kv_blocks_per_gpu
 
 

@@ -3,9 +3,10 @@
 Why a second cost model: the roofline prices a step from a GPU's datasheet and preset kernel timings; a server
 already measured is better described by its own coefficients. A step takes
 
-    base + per_decode·(sequences that sample) + per_prefill_token·(prompt tokens) + per_context_token·(decode KV)
+    base·passes + per_decode·(sequences that sample) + per_prefill_token·(prompt tokens)
+        + per_context_token·(decode KV)
 
-where the sequences that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt
+where passes are the forward passes the engine runs for the step (1, but for llama.cpp's split KV), the sequences that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt
 that finishes in the step samples its first token; engines also compute a row of logits for a partial chunk)
 and decode KV is the sum of the decoders' context lengths. It offers the calls the replica makes of
 :class:`kvcap.sim.cost.CostModel` (``iteration_time``, ``step_time``, ``decode_steps_time``,
@@ -43,8 +44,9 @@ class EmpiricalCost:
             return IterationCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "compute")
         rows = self.per_decode * batch.n_sampled + self.per_prefill_token * batch.n_prefill_tokens
         attn = self.per_context_token * batch.decode_context_tokens
-        total = self.base + rows + attn
-        return IterationCost(total, rows, attn, 0.0, 0.0, self.base, rows + attn, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+        fixed = self.base * batch.passes
+        total = fixed + rows + attn
+        return IterationCost(total, rows, attn, 0.0, 0.0, fixed, rows + attn, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
                              0.0, "compute")
 
     def decode_step_times(self, batch: BatchShape, steps: int) -> np.ndarray:
@@ -78,5 +80,5 @@ class EmpiricalCost:
     def _decode_line(self, batch: BatchShape) -> tuple[float, float]:
         """(first step's seconds, growth per step) of a pure-decode span."""
         n = batch.n_decode
-        first = self.base + self.per_decode * n + self.per_context_token * batch.decode_context_tokens
+        first = self.base * batch.passes + self.per_decode * n + self.per_context_token * batch.decode_context_tokens
         return first, self.per_context_token * n

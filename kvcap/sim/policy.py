@@ -30,6 +30,8 @@ class Batch:
     """(request, prompt tokens computed this step): prefill chunks and recomputations."""
     reserved: dict[int, int] = field(default_factory=dict)
     """rid → HBM blocks taken for this step (a span cut short gives back what it did not fill)."""
+    passes: int = 1
+    """Forward passes the step runs (llama.cpp's split KV runs several; see ``BatchShape.passes``)."""
 
 
 class SchedulingPolicy(Protocol):

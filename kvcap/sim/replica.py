@@ -26,7 +26,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -132,6 +132,8 @@ class Replica:
         self.parking = cfg.park_after_prefill
         self.running_peak = 0
         self.window = cfg.cost.model.sliding_window
+        self.engine_state: Any = None
+        """What the policy keeps per replica (llama.cpp: its slot table); None until it needs some."""
 
     # ------------------------------------------------------------------ what others read
     def kv_usage(self) -> float:
@@ -215,7 +217,9 @@ class Replica:
         window = self.window
         decoders, prefills, reserved = batch.decoders, batch.prefills, batch.reserved
         if prefills:
-            end = now + cost.step_time(_mixed_shape(prefills, decoders, window))
+            shape = _mixed_shape(prefills, decoders, window)
+            shape.passes = batch.passes
+            end = now + cost.step_time(shape)
             ends = np.array((end,))
         else:
             k = min([r.max_out - r.out for r in decoders])
@@ -228,7 +232,9 @@ class Replica:
                 k = min(k, self.sim.max_span)
             if k > 1:  # the policy took each decoder's block for its next token: one step needs no more
                 k = self.hbm.reserve_decode_steps(decoders, k, reserved)
-            ends = cost.decode_step_ends(BatchShape.decode_only([r.kv for r in decoders], window), k, now)
+            shape = BatchShape.decode_only([r.kv for r in decoders], window)
+            shape.passes = batch.passes
+            ends = cost.decode_step_ends(shape, k, now)
             end = float(ends[-1])
         self.span = Span(t0=now, ends=ends, decoders=decoders, prefills=prefills, reserved=reserved)
         self.version += 1

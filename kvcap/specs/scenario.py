@@ -121,6 +121,10 @@ class ServingSpec(Strict):
     kv_tokens: int | None = Field(default=None, ge=1)
     """KV pool per replica in tokens, when known (vLLM num_gpu_blocks × block_size, llama.cpp --ctx-size):
     replaces the memory arithmetic; llamacpp splits it evenly over its max_num_seqs slots."""
+    kv_unified: bool = False
+    """llamacpp only: one KV pool for all slots (``--kv-unified``, llama.cpp's default when ``--parallel`` is left
+    to auto), so a step is one forward pass whatever slots are busy; False: split KV (an explicit ``--parallel``),
+    a pass per run of consecutive busy slots."""
     step_cost: StepCost | None = None
     """A measured step time that replaces the roofline cost model (None: the roofline)."""
 
