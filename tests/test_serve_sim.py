@@ -139,13 +139,22 @@ def test_calibrate_takes_the_kv_pool_from_vllms_cache_config_and_predicts_the_wa
     assert "cache_config_info" in section["kv_tokens_source"]
     assert yaml.safe_load((tmp_path / "cal.yaml").read_text())["serving"]["enable_prefix_caching"] is False
     held = next(r for r in fit["table"] if r["held_out"])
-    # the wall's consequence is queueing: TTFT p50 ~3 s measured (not the ~0.4 s of c = 8), and no more throughput
-    assert held["measured"]["ttft_p50"] > 5 * measured[8]["ttft_ms"]["p50"]
-    assert abs(held["error_pct"]["ttft_p50"]) < 10, held
+    # the wall's consequence is queueing: TTFT ~3 s measured (not the ~0.4 s of c = 8), and no more throughput.
+    # In a 6 s window TTFT there is bimodal (requests sent before the pool filled start in ~1.5 s, the rest wait
+    # ~3.4 s), and its median falls between the modes on one request more or less (2,170 or 3,244 ms for the same
+    # times): the check is on p95
+    assert held["measured"]["ttft_p95"] > 5 * measured[8]["ttft_ms"]["p95"]
+    assert abs(held["error_pct"]["ttft_p95"]) < 10, held
     assert abs(held["error_pct"]["throughput"]) < 10, held
-    # TPOT extrapolates the step line from batches of 2 and 8 to the ~15 resident, with prompts mixed into the
-    # steps by the truth's roofline: +14% measured today
-    assert abs(held["error_pct"]["tpot_p50"]) < 20, held
+    # TPOT extrapolates the pure decode step from batches of 2 and 8 to the ~15 resident, and adds the prompts
+    # at the cost the records showed them to have (within 1% measured)
+    assert abs(held["error_pct"]["tpot_p50"]) < 10, held
+    # the fit read the steps from the records: the truth's step (19.4 ms + 0.75 ms a sequence, a 1,024-token
+    # prompt adding 119 ms) and no front end beyond the wait for a step
+    cost = {k: v["value_s"] for k, v in fit["step_cost"].items()}
+    assert cost["per_prefill_token"] * 1024 == pytest.approx(0.119, rel=0.1)
+    assert cost["per_decode"] == pytest.approx(0.00075, rel=0.15)
+    assert cost["per_request"] < 0.01
 
 
 def test_serve_sim_stats_count_what_was_sent(serve_sim):

@@ -1,12 +1,16 @@
 """The step cost and the limits that make the simulator reproduce measured levels.
 
-First in closed form: below the slot limit every decode step runs ``B = min(load, slots)`` sequences, so
-TPOT ≈ base + per_decode·B (+ per_context_token·B·context when the runs' context lengths differ enough to tell
+First in closed form: below the slot limit every decode step runs ``B = min(load, slots)`` sequences, so a pure
+decode step (read from the records where they tell it, :mod:`kvcap.calibrate.steps`; else TPOT) ≈ base +
+per_decode·B (+ per_context_token·B·context when the runs' context lengths differ enough to tell
 that term apart), a relative-error least squares whose covariance gives each coefficient's standard error; the
 first step of a lone request (c=1, else the lowest load) carries its prompt, so TTFT − step there ≈
-per_prefill_token·prompt (no standard error: one level gives it).
+per_prefill_token·prompt (no standard error: one level gives it) — unless the records show the steps that
+carried one prompt: their extra over a pure step is per_prefill_token·prompt itself, and TTFT's rest is the
+front end.
 Then refined through the simulator itself (a small Nelder–Mead on the coefficients, bounded in evaluations):
-it minimises the relative errors of TPOT p50 at every fitted level, of throughput where the server sets it (not
+it minimises the relative errors of TPOT p50 (and of the two steps where the records told them) at every
+fitted level, of throughput where the server sets it (not
 an open loop far below saturation: there it is the arrivals'), and of TTFT p50 at the lowest-load level of each
 workload — TTFT under load is mostly queueing, which the limits, not the step cost, decide, and a closed loop's
 busier levels hold the arrival's phase against the step. That phase is what tells the front end
@@ -31,6 +35,9 @@ from kvcap.specs.scenario import ServingSpec
 KV_FULL = 0.99
 """KV usage at or above this share: the server was full."""
 DEFAULT_SLOTS = ServingSpec().max_num_seqs
+DEFAULT_BUDGET = ServingSpec().max_num_batched_tokens
+"""Prompts up to this many tokens finish in one step (the engine's default budget): a step that carried one
+carried all of it."""
 PLATEAU_GAIN = 1.05
 """Throughput that grows less than this from one level to the next has stopped growing (the slots are full)."""
 CONTEXT_SPREAD = 0.2
@@ -150,6 +157,27 @@ def context(o: Observation) -> float:
     return o.input_tokens + o.output_tokens / 2
 
 
+def step_line_targets(obs: list[Observation]) -> list[float]:
+    """What the decode line is fitted to: every level's pure decode step when the records told each (TPOT also
+    spreads over its tokens the steps that carried other requests' prompts, c − 1 of them per request in a
+    closed loop of c out of lockstep, which a line through TPOT would read as cost per sequence), else TPOT p50."""
+    pure = [o.pure_step for o in obs]
+    return [float(v) for v in pure if v is not None] if all(v is not None for v in pure) else [o.tpot_p50 for o in obs]
+
+
+def measured_prompt_cost(obs: list[Observation], per_decode: float) -> tuple[float, str] | None:
+    """per_prefill_token from the steps that carried one prompt (their extra over a pure step, less the one
+    more sequence that samples in it, ``per_decode``, per prompt token; the median over the levels that told
+    it), when prompts fit one step of the default budget."""
+    per = [(max(o.prompt_step - per_decode, 0.0) / o.input_tokens, o) for o in obs
+           if o.prompt_step is not None and 0 < o.input_tokens <= DEFAULT_BUDGET]
+    if not per:
+        return None
+    value = float(np.median([v for v, _ in per]))
+    return value, ("per_prefill_token from the steps that carried one prompt, against pure decode steps "
+                   f"(records of {', '.join(o.label for _, o in per)})")
+
+
 def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str, float | None], list[str]]:
     """The linear first estimate and its standard errors (None where the data cannot give one)."""
     b = np.array([batch(o, slots) for o in obs])
@@ -157,7 +185,7 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
         raise InputError(f"every level runs the same batch ({b[0]:g} sequences): base and per-sequence cost cannot "
                          "be told apart; bench levels below the slot count, e.g. --concurrency 1,2,4,8")
     ctx = np.array([context(o) for o in obs])
-    y = np.array([o.tpot_p50 for o in obs])
+    y = np.array(step_line_targets(obs))
     cols = [np.ones_like(b), b]
     use_ctx = len(obs) >= 4 and (ctx.max() - ctx.min()) / ctx.mean() > CONTEXT_SPREAD
     if use_ctx:
@@ -176,6 +204,11 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
     lone = [o for o in obs if o.mode == "concurrency" and o.level == 1]
     low = lone[0] if lone else min(obs, key=lambda o: (batch(o, slots), o.level))
     ppt, per_request, how = prefill_and_overhead(obs, low, slots, (base, per_decode, per_ctx))
+    measured = measured_prompt_cost(obs, per_decode)
+    if measured is not None:  # the front end is what TTFT holds beyond the prompt's own step
+        beyond = per_request + ppt * low.input_tokens
+        ppt, how = measured
+        per_request = max(beyond - ppt * low.input_tokens, 0.0)
     stderr = {"base": err[0], "per_decode": err[1], "per_context_token": err[2] if use_ctx else None,
               "per_prefill_token": None, "per_request": None}
     notes.append(how + ("" if lone else ": with no lone request (c=1) its queueing is in it too, the refinement "
@@ -242,7 +275,8 @@ def arrival_bound(o: Observation, slots: int) -> bool:
 
 def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str, float], Observation],
                     slots: int, every_unqueued_ttft: bool = False) -> np.ndarray:
-    """The refinement's residuals: TPOT p50 everywhere, throughput wherever the server and not the arrivals set
+    """The refinement's residuals: TPOT p50 everywhere, the pure decode step and a prompt's step wherever both
+    sides' records told them (:mod:`kvcap.calibrate.steps`), throughput wherever the server and not the arrivals set
     it (:func:`arrival_bound`), TTFT p50 at each workload's lowest load (and at every closed-loop level that
     never queues when ``per_request`` is fitted: they tell it apart)."""
     res: list[float] = []
@@ -257,6 +291,10 @@ def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str,
             res += [1.0, 1.0]
             continue
         res.append(s.tpot_p50 / o.tpot_p50 - 1)
+        if o.pure_step is not None and s.pure_step is not None:
+            res.append(s.pure_step / o.pure_step - 1)
+            if o.prompt_step is not None and s.prompt_step is not None:  # as a share of a step: a prompt may add
+                res.append((s.prompt_step - o.prompt_step) / o.pure_step)  # next to nothing
         if not arrival_bound(o, slots):
             res.append(s.throughput / o.throughput - 1 if o.throughput > 0 else 0.0)
         if o is lowest[(o.mode, round(o.input_tokens), round(o.output_tokens))] or (
@@ -307,6 +345,9 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 
 Simulator = Callable[[StepCost], dict[tuple[str, str, float], Observation]]
 
 
+FRONT_END_LADDER = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+"""With the steps read from the records, the front end is tried at these shares of its first estimate and the
+best is kept (see :func:`refine`)."""
 ENGINE_TERMS = ("base", "per_decode", "per_context_token", "per_prefill_token")
 FIRST_TOKEN_TERMS = ("per_prefill_token", "per_request")
 
@@ -320,12 +361,26 @@ def refine(obs: list[Observation], start: StepCost, slots: int, sim: Simulator,
     terms (the step's and prefill's) against TPOT, throughput and the lowest level's TTFT with ``per_request``
     held, then the first-token terms (prefill, front end) against every unqueued level's TTFT with the step
     held — the TTFT of a closed loop's busier levels carries the arrival's phase against the step, which should
-    split prefill from the front end, not bend the per-sequence cost."""
+    split prefill from the front end, not bend the per-sequence cost. Where the records told what a prompt adds
+    to a step, the first stage holds ``per_prefill_token`` at that too: the lowest level's TTFT, with the front
+    end still at its first estimate, would otherwise bend it."""
     if start.per_request <= 0:
         return _refine_terms(obs, start, slots, sim, COST_KEYS, False, max_evals)
-    step, e1, ok1, _ = _refine_terms(obs, start, slots, sim, ENGINE_TERMS, False, max_evals)
-    cost, e2, ok2, rms = _refine_terms(obs, step, slots, sim, FIRST_TOKEN_TERMS, True, max_evals)
-    return cost, e1 + e2, ok1 and ok2, rms
+    if not any(o.prompt_step is not None for o in obs):
+        step, e1, ok1, _ = _refine_terms(obs, start, slots, sim, ENGINE_TERMS, False, max_evals)
+        cost, e2, ok2, rms = _refine_terms(obs, step, slots, sim, FIRST_TOKEN_TERMS, True, max_evals)
+        return cost, e1 + e2, ok1 and ok2, rms
+    # the records gave the pure step and the prompt's: the front end first, then the step terms with it held.
+    # The front end by a ladder, not a simplex: TTFT's rest at the lowest level (its first estimate) also holds
+    # the wait for a step in progress, and in a closed loop the front end sets where an arrival falls against the
+    # steps (at a step's end, or inside one), so the error moves in jumps as it grows
+    ladder = [cost_from([v * share if k == "per_request" else v
+                         for k, v in zip(COST_KEYS, cost_vector(start), strict=True)]) for share in FRONT_END_LADDER]
+    scored = [(float(np.mean(np.square(relative_errors(obs, sim(c), slots, every_unqueued_ttft=True)))), n, c)
+              for n, c in enumerate(ladder)]
+    front = min(scored)[2]
+    cost, evals, ok, rms = _refine_terms(obs, front, slots, sim, ENGINE_TERMS, True, max_evals)
+    return cost, evals + len(ladder), ok, rms
 
 
 def _refine_terms(obs: list[Observation], start: StepCost, slots: int, sim: Simulator, terms: tuple[str, ...],

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcap.analysis.summary import build_summary
+from kvcap.calibrate.steps import step_splits
 from kvcap.errors import InputError
 from kvcap.rundir import RunDir
 from kvcap.specs.lengths import parse_length
@@ -39,6 +40,11 @@ class Observation:
     """The prompt and output length distributions the run measured where it asked for one (None: a fixed
     length): the simulator replays their shape around this level's measured means, since TTFT's tail is the
     long prompts'."""
+    pure_step: float | None = None
+    """The median decode step that carried no one's prompt, read from the records (None: not told; see
+    :mod:`kvcap.calibrate.steps`)."""
+    prompt_step: float | None = None
+    """What one other request's prompt added to a step, read the same way (None: not told)."""
     trace: tuple[TraceRow, ...] = field(default=(), compare=False, repr=False)
     """A trace level's schedule as it was sent (arrival from the level's start, prompt and asked output per
     request), rebuilt from its records: the simulator replays exactly that."""
@@ -83,6 +89,13 @@ def level_observation(run: str, lv: dict[str, Any], arrival: str = "poisson",
         output_tokens=float(lv.get("output_tokens_mean") or 0.0), in_flight=lv.get("in_flight_mean"),
         running_max=lv.get("server_running_max"), kv_usage_max=lv.get("kv_usage_max"), arrival=arrival,
         window=window, length_shapes=length_shapes)
+
+
+def with_steps(obs: list[Observation], records: list[dict[str, Any]]) -> list[Observation]:
+    """The observations with their pure and prompt steps read from ``records`` (the run's)."""
+    splits = step_splits(records, {(o.mode, o.level): o.tpot_p50 * 1e3 for o in obs})
+    return [replace(o, pure_step=s.pure_s, prompt_step=s.prompt_s) if (s := splits.get((o.mode, o.level))) else o
+            for o in obs]
 
 
 def server_facts(manifest: dict[str, Any]) -> ServerFacts:
@@ -130,6 +143,7 @@ def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:
                if (o := level_observation(str(path), lv, arrival, window,
                                           shapes.get((str(lv["mode"]), float(lv["level"])), (None, None))))
                is not None]
+        got = with_steps(got, run.records())
         if any(o.mode == "trace" for o in got):
             warmup = float(fixed.get("load.warmup") or 0.0)
             got = [replace(o, trace=sent_schedule(run, o.level, warmup), window=(warmup, None, None, 0))

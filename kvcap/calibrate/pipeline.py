@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.calibrate.fit import MAX_EVALS, Simulator, fit, summary_errors
+from kvcap.calibrate.fit import DEFAULT_BUDGET, MAX_EVALS, Simulator, fit, summary_errors
 from kvcap.calibrate.observe import Observation, observe
 from kvcap.calibrate.output import (
     base_scenario,
@@ -23,7 +23,6 @@ from kvcap.calibrate.output import (
 )
 from kvcap.calibrate.simulate import StepCost, key, simulate
 from kvcap.errors import InputError
-from kvcap.specs.scenario import ServingSpec
 
 
 def split_holdout(obs: list[Observation], holdout: tuple[float, ...],
@@ -124,7 +123,6 @@ def misfits(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-DEFAULT_BUDGET = ServingSpec.model_fields["max_num_batched_tokens"].default
 NO_BUDGET = 1 << 20
 """``max_num_batched_tokens`` of a server that puts every waiting prompt in one step (no budget seen)."""
 BUDGET_GAIN = 0.8

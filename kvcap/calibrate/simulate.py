@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcap.calibrate.observe import Observation, level_observation
+from kvcap.calibrate.observe import Observation, level_observation, with_steps
+from kvcap.rundir import RunDir
 from kvcap.sim.run import SimConfig, run_sim
 from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import StepCost, build_scenario
@@ -64,21 +65,28 @@ def groups(obs: list[Observation]) -> dict[Group, list[Observation]]:
         closed = o.mode == "concurrency"
         arrival = f"{o.run}@{o.level:g}" if o.mode == "trace" else "" if closed else o.arrival
         shaped = o.mode != "trace"  # a trace replays its own lengths
+        timed = o.window[1] is not None or o.window[2] is not None
         out[(o.mode, length_spec(o.input_tokens, o.length_shapes[0] if shaped else None),
              length_spec(o.output_tokens, o.length_shapes[1] if shaped else None), arrival,
-             (None, None, None, 0) if closed else o.window)].append(o)
+             (None, None, None, 0) if closed and not timed else o.window)].append(o)
     return out
 
 
 def group_sections(key: Group, levels: list[float], tpot_s: float) -> dict[str, Any]:
-    """The workload and load sections of one simulated run. Closed loop: a warm-up of a few requests' length,
-    then a count (its steady state does not depend on the window). Open loop: the run's own window and seed."""
+    """The workload and load sections of one simulated run: the run's own window (warm-up, then its duration or
+    count) and, open loop, its seed. A closed loop's users start together, and the phase they start in fades
+    over many requests: a window of a few requests each measures that start, not the steady state (TTFT 404 ms
+    in a 6 s window of 8 users, 287 ms after 60 s, on one server), so the simulator measures the same window.
+    A closed loop of unknown window: a warm-up of a few requests' length, then a count."""
     mode, n_in, n_out, arrival, (warmup, measured, requests, seed) = key
     if mode == "trace":  # the rows sent, each request's own lengths: replayed whole after the same warm-up
         return {"workload": {"input_tokens": n_in, "output_tokens": n_out},
                 "load": {"warmup": warmup or 0.0, "duration": None, "requests": None}}
-    if mode == "concurrency":
-        load: dict[str, Any] = {"concurrency": sorted({int(v) for v in levels}), "duration": None,
+    if mode == "concurrency" and (measured is not None or requests is not None):
+        load: dict[str, Any] = {"concurrency": sorted({int(v) for v in levels}), "warmup": warmup or 0.0,
+                                "duration": measured, "requests": requests}
+    elif mode == "concurrency":
+        load = {"concurrency": sorted({int(v) for v in levels}), "duration": None,
                                 "warmup": duration(3 * parse_length(n_out).mean * max(tpot_s, 1e-4)),
                                 "requests": int(max(SIM_REQUESTS_MIN, 8 * max(levels)))}
     else:
@@ -96,14 +104,19 @@ def simulate(base: dict[str, Any], obs: list[Observation], tpot_hint_s: float) -
             data = {**base, **group_sections(gkey, [o.level for o in members], tpot_hint_s)}
             scenario = build_scenario(data, "calibrated scenario")
             plan = LoadPlan.from_spec(scenario.load, trace=members[0].trace if gkey[0] == "trace" else ())
-            summary = run_sim(SimConfig(scenario=scenario, plan=plan, out=Path(tmp) / f"g{i}", record_itl=False,
+            summary = run_sim(SimConfig(scenario=scenario, plan=plan, out=Path(tmp) / f"g{i}", record_itl=True,
                                         overwrite=True))
             by_level = {float(lv["level"]): lv for lv in summary["levels"]}
+            got: dict[tuple[str, str, float], Observation] = {}
             for o in members:
                 lv = by_level.get(o.level) if gkey[0] != "trace" else next(iter(by_level.values()), None)
-                got = level_observation(o.run, lv) if lv is not None else None
-                if got is not None:
-                    out[key(o)] = got
+                one = level_observation(o.run, lv) if lv is not None else None
+                if one is not None:
+                    got[key(o)] = one
+            if any(o.pure_step is not None for o in members):  # the steps the measured side could tell
+                read = with_steps(list(got.values()), RunDir(Path(tmp) / f"g{i}").records())
+                got = dict(zip(got, read, strict=True))
+            out.update(got)
     return out
 
 
