@@ -87,3 +87,21 @@ def test_the_step_line_goes_through_the_pure_steps_not_tpot():
     assert (cost.base, cost.per_decode, cost.per_prefill_token) == pytest.approx((PURE, 0.002, 50e-6), rel=1e-6)
     assert cost.per_request == pytest.approx(0.0, abs=1e-9)
     assert any("steps that carried one prompt" in n for n in notes)
+
+
+def test_a_pure_step_above_the_line_of_the_larger_batches_is_a_floor():
+    """Pure steps of a roofline (0.7 ms at least, 0.39 + 0.2 ms a sequence above): the line goes through the
+    batches above the floor, and the floor is the smallest batch's step — a line through all would say 0.165 ms a
+    sequence and 1.8 ms at 8 where the server takes 2.0."""
+    def roof(c: int) -> Observation:
+        step = max(0.0007, 0.00039 + 0.0002 * c)
+        return Observation(run="r", mode="concurrency", level=c, ttft_p50=step + 0.005, ttft_p95=step,
+                           tpot_p50=step, tpot_p95=step, throughput=100.0, input_tokens=48, output_tokens=32,
+                           pure_step=step, prompt_step=0.0002 + 0.005)
+    cost, _, notes = closed_form([roof(c) for c in (1, 2, 4)], slots=4)
+    assert (cost.floor, cost.base, cost.per_decode) == pytest.approx((0.0007, 0.00039, 0.0002), rel=1e-6)
+    assert any(n.startswith("floor:") for n in notes)
+    linear, _, _ = closed_form([level(c, 0.002, 50e-6) for c in (1, 2, 4)], slots=8)
+    assert linear.floor == 0.0  # on the line: no floor
+    two, _, _ = closed_form([roof(c) for c in (1, 4)], slots=4)
+    assert two.floor == 0.0  # two batch sizes make any line: a floor is not told

@@ -143,6 +143,27 @@ def test_empirical_cost_is_the_linear_step_and_its_spans_sum_in_closed_form():
     assert cost.decode_steps_time(decode, 40) == pytest.approx(sum(by_step))
 
 
+def test_a_floor_holds_small_steps_up_and_spans_still_sum_in_closed_form():
+    """A step takes at least ``floor`` (per forward pass): a span whose steps climb through it (the context term)
+    sums, in closed form, to its steps one by one."""
+    cost = EmpiricalCost(load_model("llama-3.1-8b"), base=0.002, per_decode=0.001, per_prefill_token=1e-4,
+                         per_context_token=1e-5, floor=0.010)
+    one = BatchShape.of(decode=[100])
+    assert cost.iteration_time(one).total_s == pytest.approx(0.010)  # the line says 0.002 + 0.001 + 0.001
+    two_passes = BatchShape.of(decode=[100])
+    two_passes.passes = 2
+    assert cost.iteration_time(two_passes).total_s == pytest.approx(0.020)
+    mixed = BatchShape.of(prefill=[(500, 0)], decode=[100])  # 0.002 + 0.002 + 0.05 + 0.001: above the floor
+    assert cost.iteration_time(mixed).total_s == pytest.approx(0.055)
+    climbing = BatchShape.of(decode=[400, 300])  # 0.002 + 0.002 + 0.007 = 0.011 rising 2e-5 a step; floor below
+    low = BatchShape.of(decode=[200, 100])  # 0.007 rising 2e-5 a step: under the floor for 150 steps
+    for batch, kvs in ((climbing, [400, 300]), (low, [200, 100])):
+        by_step = [cost.iteration_time(BatchShape.of(decode=[k + i for k in kvs])).total_s for i in range(300)]
+        assert cost.decode_step_times(batch, 300).tolist() == pytest.approx(by_step)
+        assert cost.decode_steps_time(batch, 300) == pytest.approx(sum(by_step))
+    assert min(cost.decode_step_times(low, 300)) == pytest.approx(0.010)
+
+
 @pytest.mark.parametrize("serving, words", [
     ({"step_cost": {"base": "-1ms"}}, "step_cost.base"),
     ({"step_cost": {"per_decode": -0.001}}, "step_cost.per_decode"),

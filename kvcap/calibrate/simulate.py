@@ -20,7 +20,7 @@ SIM_REQUESTS_MIN = 64
 
 
 COST_KEYS = tuple(StepCost.model_fields)
-"""The coefficients in their order (base, per_decode, per_prefill_token, per_context_token, per_request): the
+"""The coefficients in their order (base, per_decode, per_prefill_token, per_context_token, per_request, floor): the
 fit's vector."""
 
 

@@ -4,7 +4,7 @@ Why a second cost model: the roofline prices a step from a GPU's datasheet and p
 already measured is better described by its own coefficients. A step takes
 
     base·passes + per_decode·(sequences that sample) + per_prefill_token·(prompt tokens)
-        + per_context_token·(decode KV)
+        + per_context_token·(decode KV),   at least floor·passes
 
 where passes are the forward passes the engine runs for the step (1, but for llama.cpp's split KV), the sequences that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt
 that finishes in the step samples its first token; engines also compute a row of logits for a partial chunk)
@@ -37,6 +37,8 @@ class EmpiricalCost:
     per_decode: float
     per_prefill_token: float
     per_context_token: float
+    floor: float = 0.0
+    """Seconds a forward pass takes at least (``StepCost.floor``)."""
 
     def iteration_time(self, batch: BatchShape) -> IterationCost:
         """One step over ``batch``; an empty batch costs nothing (as the roofline's)."""
@@ -45,7 +47,8 @@ class EmpiricalCost:
         rows = self.per_decode * batch.n_sampled + self.per_prefill_token * batch.n_prefill_tokens
         attn = self.per_context_token * batch.decode_context_tokens
         fixed = self.base * batch.passes
-        total = fixed + rows + attn
+        total = max(fixed + rows + attn, self.floor * batch.passes)
+        fixed += total - (fixed + rows + attn)  # the floor's share is the step's fixed part
         return IterationCost(total, rows, attn, 0.0, 0.0, fixed, rows + attn, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
                              0.0, "compute")
 
@@ -56,7 +59,8 @@ class EmpiricalCost:
         if batch.n_prefill_tokens or batch.n_prefill_seqs:
             raise ValueError("decode_step_times takes a pure-decode batch (no prefill chunks)")
         first, slope = self._decode_line(batch)
-        return first + slope * np.arange(steps, dtype=float)
+        times = first + slope * np.arange(steps, dtype=float)
+        return np.maximum(times, self.floor * batch.passes) if self.floor else times
 
     def step_time(self, batch: BatchShape) -> float:
         """``iteration_time(batch).total_s``."""
@@ -75,7 +79,14 @@ class EmpiricalCost:
         if steps <= 0 or batch.n_decode <= 0:
             return 0.0
         first, slope = self._decode_line(batch)
-        return steps * first + slope * steps * (steps - 1) / 2
+        low = self.floor * batch.passes
+        if first >= low:
+            return steps * first + slope * steps * (steps - 1) / 2
+        # the line starts under the floor: the steps before it climbs past the floor take the floor
+        under = steps if slope <= 0 else min(steps, int(np.ceil((low - first) / slope)))
+        rest = steps - under
+        start = first + slope * under
+        return under * low + rest * start + slope * rest * (rest - 1) / 2
 
     def _decode_line(self, batch: BatchShape) -> tuple[float, float]:
         """(first step's seconds, growth per step) of a pure-decode span."""

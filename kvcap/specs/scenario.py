@@ -93,6 +93,10 @@ class StepCost(Strict):
     per_request: Duration = 0.0
     """Fixed time each request spends before the scheduler sees it (HTTP, tokenisation, chat template): it delays
     the first token and takes no engine time, so it does not grow with the batch as prefill does."""
+    floor: Duration = 0.0
+    """A step (a forward pass) takes at least this long; the line above applies where it is longer. The roofline's
+    shape: at small batches something the batch does not change (reading the weights, a thread pool's sync) sets
+    the step, so a line through small batches alone understates what each sequence costs at large ones. 0: none."""
 
 
 class ServingSpec(Strict):
