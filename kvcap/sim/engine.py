@@ -155,6 +155,18 @@ class Simulation:
                 return
 
     # ------------------------------------------------------------------ routing
+    def may_route_to(self, rep: Replica) -> bool:
+        """Whether a request arriving now could go to ``rep`` (False only where the routing rule says it goes
+        elsewhere: the least loaded replica, or round robin's next, is another one)."""
+        reps = self.replicas
+        if len(reps) == 1 or self.routing == "kv_aware":
+            return True
+        if self.routing == "round_robin":
+            return reps[(self.rr + 1) % len(reps)] is rep
+        load = rep.load()
+        return all(other.load() > load or (other.load() == load and other.index > rep.index)
+                   for other in reps if other is not rep)
+
     def route(self, req: SimRequest) -> Replica:
         reps = self.replicas
         if len(reps) == 1:

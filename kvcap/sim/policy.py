@@ -48,8 +48,14 @@ class SchedulingPolicy(Protocol):
         (a copy out in flight), the policy gives back what it reserved and returns an empty batch."""
         ...
 
-    def should_cut_span(self, rep: Replica) -> bool:
-        """Mid decode span (an arrival, a finished copy): would something new run at the next step boundary?"""
+    def should_cut_span(self, rep: Replica, spare: int = 0) -> bool:
+        """Mid decode span (an arrival, a finished copy): would something new run at the next step boundary?
+        ``spare``: KV blocks the span holds for its later steps, which a cut gives back."""
+        ...
+
+    def may_admit_arrival(self, rep: Replica) -> bool:
+        """Could a request arriving now, whatever its length, be admitted at the next step boundary? (False only
+        where none could: the span need not stop after one step for it.)"""
         ...
 
     def admits_after_one_step(self, rep: Replica) -> bool:

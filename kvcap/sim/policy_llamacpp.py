@@ -140,8 +140,11 @@ class LlamaCppPolicy:
         batch.passes = forward_passes(tokens) if self.split_kv else -(-sum(tokens) // N_UBATCH)
         return batch
 
-    def should_cut_span(self, rep: Replica) -> bool:
+    def should_cut_span(self, rep: Replica, spare: int = 0) -> bool:
         return self._slot_for_head(rep)
+
+    def may_admit_arrival(self, rep: Replica) -> bool:
+        return len(rep.running) < rep.cfg.max_num_seqs
 
     def admits_after_one_step(self, rep: Replica) -> bool:
         """Also when a slot's prompt got no room in this step (more generating slots than ``n_batch``)."""

@@ -56,12 +56,28 @@ class VllmPolicy:
         self._admit_waiting(rep, now, batch, budget)
         return batch
 
-    def should_cut_span(self, rep: Replica) -> bool:
-        if rep.parked and rep.parked[0][2].state == "parked":
-            return True
-        if not rep.waiting or len(rep.running) + rep.incoming >= rep.cfg.max_num_seqs:
+    def should_cut_span(self, rep: Replica, spare: int = 0) -> bool:
+        """The parked head could come back (rule 3's test), or the waiting head be admitted, with ``spare`` more
+        blocks free than now (what the span holds for its later steps: a cut gives it back)."""
+        if len(rep.running) + rep.incoming >= rep.cfg.max_num_seqs:
             return False
-        return rep.hbm.free() >= self._head_need(rep, rep.waiting[0])
+        free = rep.hbm.free() + spare
+        parked = rep.parked
+        if parked and parked[0][2].state == "parked":
+            req = parked[0][2]
+            if (not rep.parking or self._can_commit(rep, req)) and free >= rep.hbm.private_need(req, req.kv + 1):
+                return True
+            if not rep.parking:
+                return False  # nothing new is admitted while a parked request waits (rule 3)
+        return bool(rep.waiting) and free >= self._head_need(rep, rep.waiting[0])
+
+    def may_admit_arrival(self, rep: Replica) -> bool:
+        """A slot, no parked request ahead (unless parking), and a block free beyond the decoders' growth (none
+        needed where a prompt may be all cached prefix)."""
+        if len(rep.running) + rep.incoming >= rep.cfg.max_num_seqs or not (rep.parking or not rep.parked):
+            return False
+        least = 0 if rep.cfg.prefix_caching and rep.cfg.hash_block_tokens else 1
+        return rep.hbm.free() - least >= (self._growth_reserve(rep) if rep.parking else 0)
 
     def admits_after_one_step(self, rep: Replica) -> bool:
         return bool(rep.waiting and (rep.parking or not rep.parked)

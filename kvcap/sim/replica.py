@@ -176,14 +176,18 @@ class Replica:
         return True
 
     def poke(self, now: float, force: bool = False) -> None:
-        """Something changed (arrival, a copy finished): start a step if idle, else cut a decode span short."""
+        """Something changed (arrival, a copy finished): start a step if idle, else cut a decode span short —
+        when a request joined the running ones (``force``), or when the policy would run something new at the
+        next step boundary (counting the blocks the span holds for its later steps as free: a cut gives them
+        back). A cut that would change nothing costs a span's planning and no accuracy to skip."""
         if self.stalled:
             return
-        if self.span is None:
+        span = self.span
+        if span is None:
             self.schedule(now)
             return
-        ends = self.span.ends
-        if ends.size <= 1 or not (force or self.policy.should_cut_span(self)):
+        ends = span.ends
+        if ends.size <= 1 or not (force or self.policy.should_cut_span(self, sum(span.reserved.values()))):
             return
         j = int(ends.searchsorted(now, side="left"))
         if j >= ends.size - 1:
@@ -225,9 +229,13 @@ class Replica:
             k = min([r.max_out - r.out for r in decoders])
             if self.policy.admits_after_one_step(self):
                 k = 1  # something could be admitted next step (blocks free up only at a finish)
-            elif k > 1 and self.sim.arrival_due(now) and len(self.running) + self.incoming < self.cfg.max_num_seqs:
+            elif (k > 1 and not self.waiting and self.sim.arrival_due(now) and self.policy.may_admit_arrival(self)
+                  and self.sim.may_route_to(self)):
                 k = 1  # an arrival at this instant (a closed loop's next request) will cut the span after its
-                # first step: planning the rest (blocks, step ends) only to give it back costs a fifth of the run
+                # first step: planning the rest (blocks, step ends) only to give it back costs a fifth of the run.
+                # Not when requests already wait (the head could not be admitted, or the policy would have said
+                # so): the arrival queues behind them and cuts nothing; nor when it goes to another replica or
+                # could not be admitted (no slot, no block)
             if self.sim.max_span is not None:
                 k = min(k, self.sim.max_span)
             if k > 1:  # the policy took each decoder's block for its next token: one step needs no more
@@ -361,7 +369,7 @@ class Replica:
             self.hbm.release(r)
             r.state, r.t_parked = "parked", t
             heapq.heappush(self.parked, (r.arrival, r.rid, r))
-            self.poke(t, force=True)
+            self.poke(t)  # its blocks are free: a cut only if they let something run
 
         self.sim.start_copy(now, nbytes, lanes, caps, outbound=True, on_done=done)
         return True
