@@ -114,11 +114,13 @@ class BlockPool:
                     hi = mid - 1
             k = lo
             more = self._more_blocks(decoders, k)
+        total = 0
         for r, m in zip(decoders, more):
             if m > 0:
-                self.take(m)
+                total += m
                 r.blocks += m
                 reserved[r.rid] = reserved.get(r.rid, 0) + m
+        self.take(total)  # one take of the sum evicts exactly the cached prefixes that one take each would
         return k
 
     def _more_blocks(self, decoders: list[SimRequest], steps: int) -> list[int]:

@@ -224,9 +224,11 @@ class VllmPolicy:
     def _can_commit(self, rep: Replica, req: SimRequest) -> bool:
         """HBM room for this request's whole sequence, after the other decoders' promises, the prefills in
         progress and room to prefill the next waiting request (parking needs somewhere to compute KV)."""
-        prefilling = sum([r.blocks for r in rep.running if not r.out])  # a list sums faster than a generator
         workspace = rep.hbm.blocks_for(rep.waiting[0].target) if rep.waiting else 0
-        return rep.committed + rep.hbm.final_blocks(req) + prefilling + workspace <= rep.cfg.blocks
+        promised = rep.committed + rep.hbm.final_blocks(req) + workspace
+        if promised > rep.cfg.blocks:  # no room even before the prefills (most refusals: no sum over running)
+            return False
+        return promised + sum([r.blocks for r in rep.running if not r.out]) <= rep.cfg.blocks
 
     def _growth_reserve(self, rep: Replica) -> int:
         """Blocks committed decoders will still allocate as they grow (not to be lent to prefills)."""
