@@ -260,6 +260,11 @@ def test_a_rate_profile_past_the_slots_without_telemetry_predicts_the_rate_held_
     assert abs(held["error_pct"]["throughput"]) < 10, held
     assert abs(held["error_pct"]["tpot_p50"]) < 10, held
     assert abs(held["error_pct"]["ttft_p50"]) < 20, held
+    # the step itself, read from the records' pure decode steps (the open loop's gaps that carried no prompt):
+    # the truth's 10 ms + 2 ms a sequence (before: 8.6 ms and a prefill cost five times the truth's on a server
+    # with one; a relative residual on a prompt's ~2 ms step once bent it to 16 ms + 0.7 ms)
+    cost = {k: v["value_s"] for k, v in r["step_cost"].items()}
+    assert cost["base"] == pytest.approx(0.010, rel=0.1) and cost["per_decode"] == pytest.approx(0.002, rel=0.1)
 
 
 def test_varied_prompts_are_replayed_with_the_spread_the_run_measured(tmp_path):
