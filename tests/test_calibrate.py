@@ -174,6 +174,24 @@ def test_a_what_if_on_prompts_far_from_the_profiled_ones_is_called_an_extrapolat
             assert f"prompts of ~{n_in} tokens on a scenario calibrated on prompts of ~64–96" in p.stderr
 
 
+def test_a_what_if_far_past_the_profiled_batch_is_called_an_extrapolation(tmp_path):
+    """The step line was fitted up to the profile's batch: ``kvcap sim`` says so when a what-if runs over 1.5× as
+    many sequences at once; within that, nothing is said."""
+    scenario = tmp_path / "calibrated.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "serving": {"engine": "vllm", "max_num_seqs": 32, "kv_tokens": 65536,
+                    "step_cost": {"base": "10ms", "per_decode": "2ms"}},
+        "workload": {"input_tokens": 64, "output_tokens": 32},
+        "calibration": {"profiled_input_tokens": [64, 64], "profiled_batch": [1, 8], "limits": []}}))
+    for c, far in ((12, False), (32, True)):
+        p = run_cli("sim", str(scenario), "--concurrency", str(c), "--requests", str(2 * c), "--warmup", "0s",
+                    "--out", str(tmp_path / str(c)), "--quiet")
+        assert p.returncode == 0, p.stderr
+        assert ("extrapolates the fitted step line" in p.stderr) == far, (c, p.stderr)
+        if far:
+            assert "up to 32 sequences ran at once on a scenario calibrated at up to 8" in p.stderr
+
+
 # ---------------------------------------------------------------- over real HTTP
 
 def bench(url: str, out: Path, *args: str) -> None:
@@ -203,6 +221,7 @@ def test_calibrate_finds_the_step_and_slots_then_predicts_24_slots(profile8, tmp
     assert cost["base"] == pytest.approx(A, rel=0.10)
     assert cost["per_decode"] == pytest.approx(B, rel=0.10)
     assert r["slots"] == 8 and r["fit"]["converged"]
+    assert yaml.safe_load(scenario.read_text())["calibration"]["profiled_batch"] == [1, 8]
     assert r["fit_error"]["tpot_p50"] < 2 and r["fit_error"]["throughput"] < 2
     # the server's prefill is free (truth 0): c=1's TTFT beyond its step is the HTTP front end, which the closed
     # loop's later levels (a step's wait from c=2) tell apart through the simulator — every level's TTFT p50 fits

@@ -170,3 +170,14 @@ def extrapolation(calibration: dict[str, Any] | None, input_mean: float) -> str 
     profiled = f"{lo}" if lo == hi else f"{lo}–{hi}"
     return (f"prompts of ~{input_mean:.0f} tokens on a scenario calibrated on prompts of ~{profiled}: this prediction "
             "extrapolates the fitted prefill cost (see the scenario's calibration.limits)")
+
+
+def batch_extrapolation(calibration: dict[str, Any] | None, peak: int) -> str | None:
+    """The note ``kvcap sim`` prints when a calibrated scenario ran far more sequences at once than the profile
+    did: the step's cost per sequence was measured only up to there, and real steps bend past it (the roofline's
+    flat part ends; on the published RTX 4090 runs a line fitted at up to 16 in flight was 15–17% high at 47–77)."""
+    span = (calibration or {}).get("profiled_batch")
+    if not span or peak <= span[1] * PROFILED_SPAN:
+        return None
+    return (f"up to {peak} sequences ran at once on a scenario calibrated at up to {span[1]}: this prediction "
+            "extrapolates the fitted step line (profile at the batch you will ask about)")

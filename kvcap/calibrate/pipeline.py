@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.calibrate.fit import DEFAULT_BUDGET, MAX_EVALS, Simulator, fit, summary_errors
+from kvcap.calibrate.fit import DEFAULT_BUDGET, MAX_EVALS, Simulator, batch, fit, summary_errors
 from kvcap.calibrate.observe import Observation, observe
 from kvcap.calibrate.output import (
     base_scenario,
@@ -96,6 +96,8 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     section["limits"] = limits(fitted, DEFAULT_BUDGET if budget is None else None)
     section["profiled_input_tokens"] = [round(min(o.input_tokens for o in fitted)),
                                         round(max(o.input_tokens for o in fitted))]
+    section["profiled_batch"] = [round(min(batch(o, result.slots) for o in fitted)),
+                                 round(max(batch(o, result.slots) for o in fitted))]
     write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")
     return {"scenario": str(out), "engine": profile, "slots": result.slots, "slots_source": result.slots_source,
             "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": section["coefficients"],

@@ -143,6 +143,14 @@ def cmd_sim(a: argparse.Namespace) -> int:
         render_levels(summary, title=f"kvcap sim → {cfg.out}")
         print(_speed_line(summary))
     common.print_notes("sim", summary)
+    if cfg.scenario.calibration:
+        from kvcap.calibrate.output import batch_extrapolation
+        from kvcap.rundir import RunDir
+
+        peak = max((int(lv.get("sim", {}).get("running_peak") or 0) for lv in RunDir(cfg.out).levels()), default=0)
+        far = batch_extrapolation(cfg.scenario.calibration, peak)
+        if far:
+            print(f"kvcap sim: note: {far}", file=sys.stderr)
     return common.exit_status(summary)
 
 
