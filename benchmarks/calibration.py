@@ -76,6 +76,20 @@ def fmt(v: float | None) -> str:
     return "   –   " if v is None else f"{v:+6.1f}%"
 
 
+def header(name: str = "set", width: int = 24) -> str:
+    return (f"{name:{width}} {'level':>5} {'fit on':>12} | {'TPOT ms meas/sim':>22} | {'E2E s meas/sim':>21} | "
+            f"{'out tok/s meas/sim':>24} | {'TTFT ms meas/sim':>24}")
+
+
+def row_text(r: dict[str, Any], fit_on: str, width: int = 24) -> str:
+    """One predicted point: measured / simulated and the signed error of TPOT, E2E, throughput and TTFT."""
+    m, s, e = r["measured"], r["simulated"], r["error_pct"]
+    return (f"{r['set']:{width}} {r['level']:>5g} {fit_on:>12} | {m['tpot_ms']:6.2f} / {s['tpot_ms']:6.2f} "
+            f"{fmt(e['tpot'])} | {m['e2e_ms'] / 1e3:5.2f} / {s['e2e_ms'] / 1e3:5.2f} {fmt(e['e2e'])} | "
+            f"{m['output_tok_s']:6.0f} / {s['output_tok_s']:6.0f} {fmt(e['throughput'])} | "
+            f"{m['ttft_ms']:6.0f} / {s['ttft_ms']:6.0f} {fmt(e['ttft'])}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -85,15 +99,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(table, indent=1))
         return
-    print(f"{'set':24} {'level':>5} {'fit on':>12} | {'TPOT ms meas/sim':>22} | {'E2E s meas/sim':>21} | "
-          f"{'out tok/s meas/sim':>24} | {'TTFT ms meas/sim':>24}")
+    print(header())
     for r in table:
-        m, s, e = r["measured"], r["simulated"], r["error_pct"]
         fit_on = r["fit_on"].split(" @ ")[1] + ("*" if not r["fit_on"].startswith(r["set"] + " ") else "")
-        print(f"{r['set']:24} {r['level']:>5g} {fit_on:>12} | {m['tpot_ms']:6.2f} / {s['tpot_ms']:6.2f} "
-              f"{fmt(e['tpot'])} | {m['e2e_ms'] / 1e3:5.2f} / {s['e2e_ms'] / 1e3:5.2f} {fmt(e['e2e'])} | "
-              f"{m['output_tok_s']:6.0f} / {s['output_tok_s']:6.0f} {fmt(e['throughput'])} | "
-              f"{m['ttft_ms']:6.0f} / {s['ttft_ms']:6.0f} {fmt(e['ttft'])}" + (" c" if r["ttft_cached"] else ""))
+        print(row_text(r, fit_on) + (" c" if r["ttft_cached"] else ""))
     print("* fitted on a100-qwen2-7b-util0.5's levels, KV pool changed to the 93,872 tokens this set's log states")
     print("c: measured TTFT below the floor of an uncached prefill (FLOPs at the GPU's peak): prefix-cache hits")
     print()

@@ -20,23 +20,25 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.calibration import fmt, header, row_text  # noqa: E402
 from tests.llamacpp import llama_server, llama_server_binary  # noqa: E402
 from tests.servers import start_fake_server  # noqa: E402
-from tests.test_calibrate_llamacpp import CTX_PER_SLOT, SHAPE  # noqa: E402
+from tests.test_calibrate_llamacpp import CTX_PER_SLOT, LENGTHS, NO_CACHE, SHAPE  # noqa: E402
 from tests.test_serve_sim import running_serve_sim  # noqa: E402
 from tests.tiny_gguf import write_tiny_llama_gguf  # noqa: E402
 
-METRICS = {"tpot": ("tpot_ms", "p50"), "e2e": ("e2e_ms", "p50"), "throughput": ("output_tok_s", None),
-           "ttft": ("ttft_ms", "p50"), "ttft95": ("ttft_ms", "p95")}
-"""p50s as the published sets give them, and TTFT p95: past the KV wall a short window's TTFT is bimodal (sent
-before the pool filled, or after), and its median falls between the modes on one request more or less."""
+METRICS = {"tpot": ("tpot_ms", "p50", "tpot_ms"), "e2e": ("e2e_ms", "p50", "e2e_ms"),
+           "throughput": ("output_tok_s", None, "output_tok_s"), "ttft": ("ttft_ms", "p50", "ttft_ms"),
+           "ttft95": ("ttft_ms", "p95", "ttft_p95_ms")}
+"""error key → (summary key, percentile, row key): p50s as the published sets give them (the same row keys as
+``calibration.py``'s), and TTFT p95: past the KV wall a short window's TTFT is bimodal (sent before the pool
+filled, or after), and its median falls between the modes on one request more or less."""
 
 
 def kvcap(*args: str) -> dict[str, Any]:
@@ -54,7 +56,7 @@ def bench(url: str, out: Path, levels: str, *flags: str) -> dict[float, dict[str
 
 
 def value(level: dict[str, Any], metric: str) -> float:
-    key, pct = METRICS[metric]
+    key, pct, _ = METRICS[metric]
     return float(level[key][pct] if pct else level[key])
 
 
@@ -72,27 +74,23 @@ def case(name: str, fit_on: str, profile: Callable[[Path], list[Path]], measure:
     out = []
     for c in sorted(predicted):
         m, s = measured[c], predicted[c]
-        meas = {k: value(m, k) for k in METRICS}
-        simd = {k: value(s, k) for k in METRICS}
+        meas = {row: value(m, k) for k, (_, _, row) in METRICS.items()}
+        simd = {row: value(s, k) for k, (_, _, row) in METRICS.items()}
         out.append({"set": name, "level": c, "fit_on": fit_on, "measured": meas, "simulated": simd,
-                    "error_pct": {k: round((simd[k] / meas[k] - 1) * 100, 2) for k in METRICS}})
+                    "error_pct": {k: round((simd[row] / meas[row] - 1) * 100, 2) for k, (_, _, row) in METRICS.items()}})
     return out
-
-
-def fake(**opts: Any) -> AbstractContextManager[Any]:
-    return start_fake_server(**opts)
 
 
 def batching_server(tmp: Path) -> list[dict[str, Any]]:
     lengths = ("--input-tokens", "64", "--output-tokens", "32")
 
     def profile(d: Path) -> list[Path]:
-        with fake(slots=8, step_a="20ms", step_b="3ms") as srv:
+        with start_fake_server(slots=8, step_a="20ms", step_b="3ms") as srv:
             bench(srv.url, d / "p8", "1,2,4,8", *lengths, "--warmup", "1s", "--duration", "3s")
         return [d / "p8"]
 
     def measure(d: Path) -> dict:
-        with fake(slots=24, step_a="20ms", step_b="3ms") as srv:
+        with start_fake_server(slots=24, step_a="20ms", step_b="3ms") as srv:
             return bench(srv.url, d / "m24", "8,16,24", *lengths, "--warmup", "3s", "--duration", "6s")
 
     return case("batching server 8→24 slots", "c=1,2,4,8", profile, measure, ["--set", "serving.max_num_seqs=24"],
@@ -115,7 +113,6 @@ def serve_sim_wall(tmp: Path) -> list[dict[str, Any]]:
 
 
 def llamacpp(tmp: Path) -> list[dict[str, Any]]:
-    lengths = ("--input-tokens", "48", "--output-tokens", "uniform:16,48", "--extra-body", '{"cache_prompt": false}')
     window = ("--warmup", "1s", "--duration", "4s")
     gguf = write_tiny_llama_gguf(tmp / "tiny.gguf", **SHAPE)
 
@@ -124,20 +121,16 @@ def llamacpp(tmp: Path) -> list[dict[str, Any]]:
 
     def profile(d: Path) -> list[Path]:
         with server(4) as url:
-            bench(url, d / "p4", "1,2,4", *lengths, *window)
+            bench(url, d / "p4", "1,2,4", *LENGTHS, *NO_CACHE, *window)
         return [d / "p4"]
 
     def measure(d: Path) -> dict:
         with server(8) as url:
-            return bench(url, d / "p8", "4,8", *lengths, *window)
+            return bench(url, d / "p8", "4,8", *LENGTHS, *NO_CACHE, *window)
 
     return case("llama.cpp 4→8 slots", "c=1,2,4", profile, measure,
                 ["--set", "serving.max_num_seqs=8", "--set", f"serving.kv_tokens={8 * 8 * CTX_PER_SLOT}"], "4,8",
-                (*lengths[:4], *window), ("--kv-unified",), tmp)
-
-
-def fmt(v: float) -> str:
-    return f"{v:+6.1f}%"
+                (*LENGTHS, *window), ("--kv-unified",), tmp)
 
 
 def main() -> None:
@@ -152,15 +145,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(table, indent=1))
         return
-    print(f"{'case':28} {'level':>5} {'fit on':>10} | {'TPOT ms meas/sim':>22} | {'E2E s meas/sim':>21} | "
-          f"{'out tok/s meas/sim':>24} | {'TTFT ms meas/sim':>26} | {'TTFT p95 ms meas/sim':>26}")
+    print(header("case", 28) + f" | {'TTFT p95 ms meas/sim':>24}")
     for r in table:
         m, s, e = r["measured"], r["simulated"], r["error_pct"]
-        print(f"{r['set']:28} {r['level']:>5g} {r['fit_on']:>10} | {m['tpot']:6.2f} / {s['tpot']:6.2f} "
-              f"{fmt(e['tpot'])} | {m['e2e'] / 1e3:5.2f} / {s['e2e'] / 1e3:5.2f} {fmt(e['e2e'])} | "
-              f"{m['throughput']:6.0f} / {s['throughput']:6.0f} {fmt(e['throughput'])} | "
-              f"{m['ttft']:7.1f} / {s['ttft']:7.1f} {fmt(e['ttft'])} | "
-              f"{m['ttft95']:7.1f} / {s['ttft95']:7.1f} {fmt(e['ttft95'])}")
+        print(row_text(r, r["fit_on"], 28) + f" | {m['ttft_p95_ms']:6.0f} / {s['ttft_p95_ms']:6.0f} {fmt(e['ttft95'])}")
     if not llama_server_binary():
         print("llama.cpp: no llama-server here (./scripts/install-llama-server builds it); its case was skipped")
 

@@ -323,8 +323,9 @@ def relative_errors(measured: list[Observation], simulated: dict[tuple[str, str,
         res.append(s.tpot_p50 / o.tpot_p50 - 1)
         if o.pure_step is not None and s.pure_step is not None:
             res.append(s.pure_step / o.pure_step - 1)
-            if o.prompt_step is not None and s.prompt_step is not None:  # as a share of a step: a prompt may add
-                res.append((s.prompt_step - o.prompt_step) / o.pure_step)  # next to nothing
+            if o.prompt_step is not None and s.prompt_step is not None:
+                # as a share of a pure step, not of itself: a prompt may add next to nothing to its step
+                res.append((s.prompt_step - o.prompt_step) / o.pure_step)
         if not arrival_bound(o, slots):
             res.append(s.throughput / o.throughput - 1 if o.throughput > 0 else 0.0)
         if o is lowest[(o.mode, round(o.input_tokens), round(o.output_tokens))] or (
@@ -392,8 +393,8 @@ def refine(obs: list[Observation], start: StepCost, slots: int, sim: Simulator,
     held, then the first-token terms (prefill, front end) against every unqueued level's TTFT with the step
     held — the TTFT of a closed loop's busier levels carries the arrival's phase against the step, which should
     split prefill from the front end, not bend the per-sequence cost. Where the records told what a prompt adds
-    to a step, the first stage holds ``per_prefill_token`` at that too: the lowest level's TTFT, with the front
-    end still at its first estimate, would otherwise bend it."""
+    to a step, the order turns: the front end first (by :data:`FRONT_END_LADDER`), then the engine terms against
+    every residual with it held — the steps read from the records now pin prefill apart from the front end."""
     if start.per_request <= 0:
         return _refine_terms(obs, start, slots, sim, COST_KEYS, False, max_evals)
     if not any(o.prompt_step is not None for o in obs):

@@ -87,8 +87,8 @@ def group_sections(key: Group, levels: list[float], tpot_s: float) -> dict[str, 
                                 "duration": measured, "requests": requests}
     elif mode == "concurrency":
         load = {"concurrency": sorted({int(v) for v in levels}), "duration": None,
-                                "warmup": duration(3 * parse_length(n_out).mean * max(tpot_s, 1e-4)),
-                                "requests": int(max(SIM_REQUESTS_MIN, 8 * max(levels)))}
+                "warmup": duration(3 * parse_length(n_out).mean * max(tpot_s, 1e-4)),
+                "requests": int(max(SIM_REQUESTS_MIN, 8 * max(levels)))}
     else:
         load = {"rate": sorted(set(levels)), "arrival": arrival, "warmup": warmup or 0.0, "duration": measured,
                 "requests": requests, "seed": seed}

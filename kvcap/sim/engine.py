@@ -163,9 +163,7 @@ class Simulation:
             return True
         if self.routing == "round_robin":
             return reps[(self.rr + 1) % len(reps)] is rep
-        load = rep.load()
-        return all(other.load() > load or (other.load() == load and other.index > rep.index)
-                   for other in reps if other is not rep)
+        return self._least_loaded() is rep
 
     def route(self, req: SimRequest) -> Replica:
         reps = self.replicas
@@ -176,8 +174,13 @@ class Simulation:
             return reps[self.rr]
         if self.routing == "kv_aware" and req.hashes:
             return max(reps, key=lambda r: (r.hbm.hit_blocks(req), -r.load(), -r.index))
+        return self._least_loaded()
+
+    def _least_loaded(self) -> Replica:
+        """The least loaded replica, the lowest index among equals (min by (load, index), without tuples)."""
+        reps = self.replicas
         best, least = reps[0], reps[0].load()
-        for rep in reps:  # the least loaded, the lowest index among equals (min by (load, index), without tuples)
+        for rep in reps:
             load = rep.load()
             if load < least:
                 best, least = rep, load
