@@ -10,9 +10,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from kvcap.analysis.telemetry import HOLD, Telemetry, dedupe_sources, expand_held, how, node_figures, nodes, series
+from kvcap.analysis.telemetry import (
+    HOLD,
+    Series,
+    Telemetry,
+    dedupe_sources,
+    expand_held,
+    how,
+    node_figures,
+    nodes,
+    series,
+    series_of,
+)
 from kvcap.experiment import packaged_scenario
 from kvcap.rundir import RunDir
 from kvcap.sim.run import SimConfig, run_sim
@@ -92,3 +104,26 @@ def test_the_series_path_gives_what_a_scan_of_the_expanded_rows_gives(tmp_path: 
     t0, t1 = plain[len(plain) // 3]["t_s"], plain[2 * len(plain) // 3]["t_s"]
     windowed = [r for r in plain if t0 <= r["t_s"] <= t1]
     assert node_figures(tel, t0, t1) == node_figures(windowed, -1e18, 1e18)
+
+
+def test_memory_follows_the_rows_written_not_the_grid() -> None:
+    """A value held for 10⁶ grid seconds is kept as the two rows written (issue 14: memory flat in run length);
+    its series, a window of it and the node figures are still the grid's."""
+    row = {"source": "sim", "name": "server.requests_running", "labels": {"replica": "r0", "node": "n0"}}
+    tel = dedupe_sources([row | {"t_s": 0.0, "value": 5, HOLD: 1.0}, row | {"t_s": 1e6, "value": 7}])
+    assert [a.size for a in tel.raw[0]] == [2, 2, 2]
+    s = series_of(tel, "server.requests_running")
+    assert len(s) == 1_000_001 and s.t[-1] == 1e6 and float(s.v[:-1].max()) == float(s.v[:-1].min()) == 5.0
+    w = s.within(10.0, 20.0)
+    assert w.t.tolist() == [float(t) for t in range(10, 21)] and set(w.v.tolist()) == {5.0}
+    figs = node_figures(tel, 0.0, 1e6)["n0"]
+    assert figs["running_max"] == 7.0 and figs["running_mean"] == round((5 * 1_000_000 + 7) / 1_000_001, 4)
+
+
+def test_series_plus_adds_per_sample_time() -> None:
+    """Running + parked (the resident series): values added where the times meet, each kept where they do not."""
+    a = Series(np.array([0.0, 1.0, 2.0]), np.array([1.0, 2.0, 3.0]))
+    b = Series(np.array([1.0, 3.0]), np.array([10.0, 20.0]))
+    both = a.plus(b)
+    assert both.t.tolist() == [0.0, 1.0, 2.0, 3.0] and both.v.tolist() == [1.0, 12.0, 3.0, 20.0]
+    assert not Series(np.zeros(0), np.zeros(0)) and a.within(0.5, 2.0).v.tolist() == [2.0, 3.0]

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.columns import LevelArrays
+from kvcap.analysis.telemetry import Points, Series, points
 
 MIN_SCALING = 0.10
 """Condition (a): the throughput gain must be at least 10% of the proportional gain (concurrency ×2 → +10%)."""
@@ -33,15 +34,18 @@ def trend(t: np.ndarray, y: np.ndarray) -> dict[str, float] | None:
 
 
 def stationarity(records: LevelArrays | list[dict[str, Any]], window: tuple[float, float] | None,
-                 waiting: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+                 waiting: Series | Points | None = None) -> dict[str, Any]:
     """Is latency (or the server's queue) growing within the measured window?"""
     a = records if isinstance(records, LevelArrays) else LevelArrays(records)
     meas = a.measured & ~np.isnan(a.ttft)
     out: dict[str, Any] = {"source": None, "growing": False}
     if waiting:
-        pts = np.asarray([(t, v) for t, v in waiting if window is None or window[0] <= t <= window[1]], float)
-        if pts.shape[0] >= 8:
-            tr = trend(pts[:, 0], pts[:, 1])
+        t, v = points(waiting)
+        if window is not None:
+            inside = (t >= window[0]) & (t <= window[1])
+            t, v = t[inside], v[inside]
+        if t.size >= 8:
+            tr = trend(t, v)
             if tr is not None:
                 growth = tr["slope"] * tr["span_s"]
                 out.update(source="telemetry:server.requests_waiting", **tr, growth=growth,
@@ -92,7 +96,7 @@ def apply_conditions(levels: list[dict[str, Any]], slo: dict[str, float], extra:
 
 
 def capacities(levels: list[dict[str, Any]], slo: dict[str, float],
-               running: list[tuple[float, float]], waiting: list[tuple[float, float]]) -> dict[str, Any]:
+               running: Series | Points, waiting: Series | Points) -> dict[str, Any]:
     """effective / stress_limit / resident, with where ``resident`` came from."""
     closed = [lv for lv in levels if lv["mode"] == "concurrency"] or levels
     ok_levels = [lv for lv in closed if lv["ok"] > 0]
@@ -107,9 +111,9 @@ def capacities(levels: list[dict[str, Any]], slo: dict[str, float],
     limited_by = above[0]["failed_checks"][0] if above and above[0]["failed_checks"] else None
     resident, source, lower_bound = None, None, False
     if running:  # the most requests the server held at once; a lower bound unless something ever had to wait
-        resident = int(max(v for _, v in running))
+        resident = int(np.max(points(running)[1]))
         source = "telemetry"
-        lower_bound = not any(v >= 0.5 for _, v in waiting)
+        lower_bound = not bool(np.any(points(waiting)[1] >= 0.5))
     elif ok_levels:
         resident, lower_bound = client_resident_estimate(ok_levels)
         source = "client_estimate"

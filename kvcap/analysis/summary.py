@@ -15,7 +15,7 @@ from kvcap.analysis.columns import LevelArrays, Reader, read_columns
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
 from kvcap.analysis.stats import check_slo, summarize_level
-from kvcap.analysis.telemetry import add, dedupe_sources, imbalance, node_figures, nodes, series, servers, within
+from kvcap.analysis.telemetry import dedupe_sources, imbalance, node_figures_per_window, nodes, series_of, servers
 from kvcap.rundir import REQUESTS, RunDir
 from kvcap.specs.load import LIMIT_RULE
 
@@ -24,14 +24,14 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
     """``reader``: how records become per-level columns (default: streamed from ``requests.jsonl``)."""
     slo = slo if slo is not None else (run.manifest.get("slo") or {})
     telemetry = dedupe_sources(run.iter_telemetry())
-    running, waiting = series(telemetry, "server.requests_running"), series(telemetry, "server.requests_waiting")
-    parked = series(telemetry, "server.requests_parked")
-    resident_series = add(running, parked) if parked else running
-    preempt = series(telemetry, "server.preemptions_total")
-    link_util = series(telemetry, "link.util")
-    gpu_util = series(telemetry, "gpu.util")
-    kv_usage = series(telemetry, "server.kv_usage")
-    net_rx, net_tx = series(telemetry, "net.rx_bytes_s"), series(telemetry, "net.tx_bytes_s")
+    running, waiting = series_of(telemetry, "server.requests_running"), series_of(telemetry, "server.requests_waiting")
+    parked = series_of(telemetry, "server.requests_parked")
+    resident_series = running.plus(parked) if parked else running
+    preempt = series_of(telemetry, "server.preemptions_total")
+    link_util = series_of(telemetry, "link.util")
+    gpu_util = series_of(telemetry, "gpu.util")
+    kv_usage = series_of(telemetry, "server.kv_usage")
+    net_rx, net_tx = series_of(telemetry, "net.rx_bytes_s"), series_of(telemetry, "net.tx_bytes_s")
     node_names = nodes(telemetry)
     n_servers = servers(telemetry)
     infos: dict[tuple[str, float], dict[int, dict[str, Any]]] = defaultdict(dict)
@@ -42,12 +42,16 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
     by_level = (reader or read_columns)(run.dir / REQUESTS, known)
     levels: list[dict[str, Any]] = []
     extra: dict[str, dict[float, dict[str, Any]]] = defaultdict(dict)
-    for key in sorted(set(by_level) | set(infos), key=lambda k: (k[0], k[1])):
+    keys = sorted(set(by_level) | set(infos), key=lambda k: (k[0], k[1]))
+    # no level lines (e.g. a killed run): the span of its measured requests, per repeat
+    own = {key: known[key] if infos.get(key) else (by_level.get(key) or LevelArrays()).own_windows() for key in keys}
+    first = {key: next(iter(w.values()), (0.0, 0.0)) for key, w in own.items()}
+    per_node = dict(zip(keys, node_figures_per_window(telemetry, [first[k] for k in keys]))) if node_names else {}
+    for key in keys:
         mode, level = key
         recs = by_level.get(key) or LevelArrays()
         reps = infos.get(key, {})
-        # no level lines (e.g. a killed run): the span of its measured requests, per repeat
-        windows = known[key] if reps else recs.own_windows()
+        windows = own[key]
         stats = summarize_level(recs, windows, slo=slo)
         failed = check_slo(stats, slo) if slo else []
         value = int(level) if level.is_integer() else level
@@ -58,35 +62,29 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
             entry["achieved_rate"] = round(float(np.median(rates)), 4)
         entry["client_warnings"] = sorted({w for i in reps.values()
                                            for w in (i.get("client") or {}).get("warnings", [])})
-        w0, w1 = next(iter(windows.values()), (0.0, 0.0))
-        level_running = [v for _, v in within(running, w0, w1)]
-        level_waiting = [v for _, v in within(waiting, w0, w1)]
-        if level_running:
-            entry["server_running_max"] = max(level_running)
-            entry["server_running_mean"] = round(float(np.mean(level_running)), 3)
-        if level_waiting:
-            entry["server_waiting_mean"] = round(float(np.mean(level_waiting)), 3)
-            entry["server_waiting_max"] = max(level_waiting)
-        level_parked = [v for _, v in within(parked, w0, w1)]
-        if level_parked:
-            entry["server_parked_max"] = max(level_parked)
-            entry["server_parked_mean"] = round(float(np.mean(level_parked)), 3)
-        for key, ser, fn in (("link_util_max", link_util, max), ("gpu_util_mean", gpu_util, np.mean),
-                             ("kv_usage_mean", kv_usage, np.mean), ("kv_usage_max", kv_usage, max),
-                             ("net_rx_bytes_s_mean", net_rx, np.mean), ("net_tx_bytes_s_mean", net_tx, np.mean)):
-            vals = [v for _, v in within(ser, w0, w1)]
-            if vals:
-                entry[key] = round(float(fn(vals)), 4)
+        w0, w1 = first[key]
+        for name, ser in (("running", running), ("waiting", waiting), ("parked", parked)):
+            vals = ser.within(w0, w1).v
+            if vals.size:  # waiting's mean first: the keys' order in summary.json as it always was
+                figs = {"max": float(np.max(vals)), "mean": round(float(np.mean(vals)), 3)}
+                for stat in ("mean", "max") if name == "waiting" else ("max", "mean"):
+                    entry[f"server_{name}_{stat}"] = figs[stat]
+        for name, ser, fn in (("link_util_max", link_util, np.max), ("gpu_util_mean", gpu_util, np.mean),
+                              ("kv_usage_mean", kv_usage, np.mean), ("kv_usage_max", kv_usage, np.max),
+                              ("net_rx_bytes_s_mean", net_rx, np.mean), ("net_tx_bytes_s_mean", net_tx, np.mean)):
+            vals = ser.within(w0, w1).v
+            if vals.size:
+                entry[name] = round(float(fn(vals)), 4)
         if node_names:
-            entry["nodes"] = node_figures(telemetry, w0, w1)
+            entry["nodes"] = per_node[key]
             hot = imbalance(entry["nodes"], replicas=n_servers,
                             in_flight=value if mode == "concurrency" else stats.get("in_flight_mean"))
             if hot:
                 entry["imbalance"] = hot
-        p = within(preempt, w0, w1)
+        p = preempt.within(w0, w1).v
         entry["littles_law"] = littles_law(entry)
-        extra[mode][value] = {"stationarity": stationarity(recs, (w0, w1), within(waiting, w0, w1) or None),
-                              "preemptions": (p[-1][1] - p[0][1]) if len(p) >= 2 else 0}
+        extra[mode][value] = {"stationarity": stationarity(recs, (w0, w1), waiting.within(w0, w1) or None),
+                              "preemptions": float(p[-1] - p[0]) if p.size >= 2 else 0}
         levels.append(entry)
     for mode in {lv["mode"] for lv in levels}:
         apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])

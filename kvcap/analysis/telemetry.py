@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -49,8 +50,9 @@ class Telemetry:
     arrays, rows written on change (``hold_s``) put back on their grid without a dict per grid point.
 
     Why: a long simulated run has a million grid rows; as dicts, expanded, scanned per name and again per node
-    and level window, they cost more than the rest of the analysis. Aggregated series are cached per (name,
-    node), so a summary's per-level and per-node figures are window slices of series built once. Aggregation is
+    and level window, they cost more than the rest of the analysis. Rows are kept as written and put on the grid
+    only when a series is aggregated; aggregates asked for by name (:meth:`arrays`) are cached, so a summary's
+    per-level figures are window slices of series built once. Aggregation is
     the old row-by-row one, value for value: per sample time, values are added in series order (the order rows
     were first seen), so sums, means and maxima are the same floats."""
 
@@ -87,13 +89,10 @@ class Telemetry:
                 if n % CONVERT_EVERY == 0:  # as floats in arrays, not Python objects: memory ∝ rows × 24 B
                     _convert(cols, done)
         _convert(cols, done)
-        self.t: list[np.ndarray] = []
-        self.v: list[np.ndarray] = []
-        for parts in done:
-            t, v, h = (np.concatenate([p[k] for p in parts]) for k in range(3))
-            ta, va = _held_on_grid(t, v, h)
-            self.t.append(ta)
-            self.v.append(va)
+        self.raw: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [
+            tuple(np.concatenate([p[k] for p in parts]) for k in range(3)) for parts in done]  # type: ignore[misc]
+        """Each series' rows as read: times, values, ``hold_s`` (NaN: none). Put back on the grid only when asked
+        (:meth:`grid`), so memory follows the rows written, not the run's length in grid points."""
         self.by_name: dict[str, list[int]] = defaultdict(list)
         for i, (_, name, _) in enumerate(self.meta):
             self.by_name[name].append(i)
@@ -101,25 +100,32 @@ class Telemetry:
             self._keep_busiest_source()
         self._cache: dict[tuple[str, str, str | None], tuple[np.ndarray, np.ndarray]] = {}
 
+    def grid(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Series ``i``'s (times, values) with held values repeated on their grid (built anew on each call)."""
+        return _held_on_grid(*self.raw[i])
+
     def _keep_busiest_source(self) -> None:
         """Per metric name, only the series of the source kind (``metrics``, ``prometheus``, ``sim``) with the most
         rows on the grid: the same metric scraped two ways is not counted twice."""
         for name, idx in self.by_name.items():
+            kinds = {self.meta[i][0].split(":", 1)[0] for i in idx}
+            if len(kinds) < 2:
+                continue  # one kind: nothing to choose (and no grid to count)
             counts: dict[str, int] = defaultdict(int)
             for i in idx:
-                counts[self.meta[i][0].split(":", 1)[0]] += self.t[i].size
+                counts[self.meta[i][0].split(":", 1)[0]] += self.grid(i)[0].size
             best = max(counts, key=lambda k: counts[k])
             self.by_name[name] = [i for i in idx if self.meta[i][0].split(":", 1)[0] == best]
 
     def __len__(self) -> int:
-        return sum(self.t[i].size for idx in self.by_name.values() for i in idx)
+        return sum(self.grid(i)[0].size for idx in self.by_name.values() for i in idx)
 
     def rows(self) -> list[dict[str, Any]]:
         """The kept series back as rows (time order, then series order): what ``expand_held`` gives."""
         out = [(t, i, {"t_s": t, "source": self.meta[i][0], "name": self.meta[i][1], "labels": self.meta[i][2],
                        "value": v})
                for idx in self.by_name.values() for i in idx
-               for t, v in zip(self.t[i].tolist(), self.v[i].tolist())]
+               for t, v in zip(*(a.tolist() for a in self.grid(i)))]
         out.sort(key=lambda x: (x[0], x[1]))
         return [r for _, _, r in out]
 
@@ -140,22 +146,29 @@ class Telemetry:
         key = (name, agg or how(name), node)
         if key not in self._cache:
             idx = self.selected(name, node)
-            self._cache[key] = _aggregate([self.t[i] for i in idx], [self.v[i] for i in idx], key[1])
+            self._cache[key] = self.aggregate(idx, key[1])
         return self._cache[key]
+
+    def aggregate(self, idx: list[int], agg: str) -> tuple[np.ndarray, np.ndarray]:
+        """(times, values) of series ``idx`` on their grid, aggregated per sample time (not cached)."""
+        grids = [self.grid(i) for i in idx]
+        return _aggregate([t for t, _ in grids], [v for _, v in grids], agg)
 
     def nic_utilisation(self, node: str | None = None, t0: float = -math.inf, t1: float = math.inf) -> float | None:
         """Busiest NIC direction as a fraction of its line rate (node exporter's ``net.speed_bytes_s``), per sample,
         over [t0, t1]."""
         speed: dict[Any, float] = {}
         for i in self._of_node("net.speed_bytes_s", node):
-            v = self.v[i][_window(self.t[i], t0, t1)]
+            t, v = self.grid(i)
+            v = v[_window(t, t0, t1)]
             for x in v[v > 0].tolist():
                 speed[self.meta[i][2].get("device")] = x
         best = None
         for name in ("net.rx_bytes_s", "net.tx_bytes_s"):
             for i in self._of_node(name, node):
                 dev = self.meta[i][2].get("device")
-                v = self.v[i][_window(self.t[i], t0, t1)]
+                t, v = self.grid(i)
+                v = v[_window(t, t0, t1)]
                 if dev in speed and v.size:
                     u = float(np.max(v / speed[dev]))
                     best = u if best is None or u > best else best
@@ -261,15 +274,41 @@ def series(rows: Telemetry | list[dict[str, Any]], name: str, agg: str | None = 
     return list(zip(t.tolist(), v.tolist()))
 
 
-def add(a: Points, b: Points) -> Points:
-    acc: dict[float, float] = defaultdict(float)
-    for t, v in a + b:
-        acc[t] += v
-    return sorted(acc.items())
+@dataclass(frozen=True, slots=True)
+class Series:
+    """An aggregated series as arrays (times ascending, one value each): what the summary slices per level window.
+    Why not :data:`Points`: a long run has ~10⁵ sample times per series, as tuples ~20 MB each."""
+
+    t: np.ndarray
+    v: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.t.size)
+
+    def within(self, t0: float, t1: float) -> Series:
+        """The samples with t0 ≤ t ≤ t1."""
+        lo, hi = np.searchsorted(self.t, t0, "left"), np.searchsorted(self.t, t1, "right")
+        return Series(self.t[lo:hi], self.v[lo:hi])
+
+    def plus(self, other: Series) -> Series:
+        """Values added per sample time over the union of both series' times (this series' value first)."""
+        times, inv = np.unique(np.concatenate((self.t, other.t)), return_inverse=True)
+        out = np.zeros(times.size)
+        np.add.at(out, inv, np.concatenate((self.v, other.v)))
+        return Series(times, out)
 
 
-def within(s: Points, t0: float, t1: float) -> Points:
-    return [(t, v) for t, v in s if t0 <= t <= t1]
+def series_of(rows: Telemetry | list[dict[str, Any]], name: str) -> Series:
+    """:func:`series` as arrays."""
+    return Series(*telemetry_of(rows).arrays(name))
+
+
+def points(s: Series | Points) -> tuple[np.ndarray, np.ndarray]:
+    """(times, values) of a series given either way."""
+    if isinstance(s, Series):
+        return s.t, s.v
+    a = np.asarray(s, float).reshape(-1, 2)
+    return a[:, 0], a[:, 1]
 
 
 NODE_FIGURES: tuple[tuple[str, str, str], ...] = (
@@ -297,25 +336,37 @@ def nodes(rows: Telemetry | list[dict[str, Any]]) -> list[str]:
 def node_figures(rows: Telemetry | list[dict[str, Any]], t0: float, t1: float) -> dict[str, dict[str, float]]:
     """Per node, over one window: GPU utilisation and memory, KV usage, running/waiting, network bytes/s (and
     Gbps), busiest link — the article's "60% of cluster memory used does not mean 40% more concurrency"."""
+    return node_figures_per_window(rows, [(t0, t1)])[0]
+
+
+def node_figures_per_window(rows: Telemetry | list[dict[str, Any]],
+                            windows: list[tuple[float, float]]) -> list[dict[str, dict[str, float]]]:
+    """:func:`node_figures` for each window, each node's series aggregated once and not kept (a long run's
+    per-node series, kept, would cost more than the rest of the summary)."""
     tel = telemetry_of(rows)
-    out: dict[str, dict[str, float]] = {}
+    out: list[dict[str, dict[str, float]]] = [{} for _ in windows]
     for node in nodes(tel):
-        figs: dict[str, float] = {}
-        for key, name, stat in NODE_FIGURES:
-            t, v = tel.arrays(name, node=node)
-            vals = v[(t >= t0) & (t <= t1)]
-            if not vals.size:
-                continue
-            fn = {"mean": np.mean, "max": np.max, "min": np.min}[stat]
-            figs[key] = round(float(fn(vals)), 4)
-        for d in ("rx", "tx"):
-            if f"net_{d}_bytes_s_mean" in figs:
-                figs[f"net_{d}_gbps_mean"] = round(figs[f"net_{d}_bytes_s_mean"] * 8 / 1e9, 4)
-        nic = tel.nic_utilisation(node, t0, t1)
-        if nic is not None and "link_util_max" not in figs:
-            figs["link_util_max"] = nic
-        if figs:
-            out[node] = figs
+        figs: list[dict[str, float]] = [{} for _ in windows]
+        for name in dict.fromkeys(name for _, name, _ in NODE_FIGURES):
+            t, v = tel.aggregate(tel.selected(name, node), how(name))
+            for w, (t0, t1) in enumerate(windows):
+                vals = v[(t >= t0) & (t <= t1)]
+                if not vals.size:
+                    continue
+                for key, of, stat in NODE_FIGURES:
+                    if of == name:
+                        fn = {"mean": np.mean, "max": np.max, "min": np.min}[stat]
+                        figs[w][key] = round(float(fn(vals)), 4)
+        for w, (t0, t1) in enumerate(windows):
+            f = {key: figs[w][key] for key, _, _ in NODE_FIGURES if key in figs[w]}  # NODE_FIGURES' key order
+            for d in ("rx", "tx"):
+                if f"net_{d}_bytes_s_mean" in f:
+                    f[f"net_{d}_gbps_mean"] = round(f[f"net_{d}_bytes_s_mean"] * 8 / 1e9, 4)
+            nic = tel.nic_utilisation(node, t0, t1)
+            if nic is not None and "link_util_max" not in f:
+                f["link_util_max"] = nic
+            if f:
+                out[w][node] = f
     return out
 
 
