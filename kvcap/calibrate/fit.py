@@ -178,8 +178,49 @@ def measured_prompt_cost(obs: list[Observation], per_decode: float) -> tuple[flo
                    f"(records of {', '.join(o.label for _, o in per)})")
 
 
+def waiting_at_server(o: Observation, slots: int) -> float:
+    """Requests waiting at the server for a slot at this level: a closed loop's users past the slots, an open
+    loop's mean in flight past them."""
+    load = o.level if o.mode == "concurrency" else (o.in_flight or 0.0)
+    return max(0.0, load - slots)
+
+
+WAITING_NOISE = 0.03
+"""A queued level's pure step must lie this share above the line before a cost of waiting requests is believed."""
+
+
+def waiting_cost(queued: list[Observation], slots: int, line: Callable[[float, float], float],
+                 ) -> tuple[float, str] | None:
+    """per_waiting from the levels with requests waiting at the server: their pure decode step's excess over the
+    line through the unqueued levels, per sequence that samples per request waiting (the median over them);
+    None where no such level told a pure step."""
+    told = [o for o in queued if o.pure_step is not None]
+    if not told:
+        return None
+    per, excess = [], []
+    for o in told:
+        b, expected = batch(o, slots), line(batch(o, slots), context(o))
+        excess.append(o.pure_step / expected - 1)
+        per.append((o.pure_step - expected) / (b * waiting_at_server(o, slots)))
+    labels = ", ".join(f"{o.label} ({waiting_at_server(o, slots):g} waiting, {100 * e:+.1f}%)"
+                       for o, e in zip(told, excess, strict=True))
+    value = float(np.median(per))
+    if value <= 0 or float(np.median(excess)) < WAITING_NOISE:
+        return 0.0, f"per_waiting 0: the pure steps of {labels} are within {WAITING_NOISE:.0%} of the line"
+    return value, f"per_waiting from the pure steps of {labels} against the line through the unqueued levels"
+
+
 def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str, float | None], list[str]]:
-    """The linear first estimate and its standard errors (None where the data cannot give one)."""
+    """The linear first estimate and its standard errors (None where the data cannot give one). The decode line
+    goes through the levels with no request waiting at the server where two batch sizes or more remain (a queue
+    at the door can slow the steps: ``per_waiting``, told from the others)."""
+    every = obs
+    free = [o for o in obs if waiting_at_server(o, slots) < 0.5]
+    queued = [o for o in obs if o not in free]
+    if queued and len({round(batch(o, slots), 6) for o in free}) >= 2:
+        obs = free
+    else:
+        queued = []
     b = np.array([batch(o, slots) for o in obs])
     if len(set(b.round(6))) < 2:
         raise InputError(f"every level runs the same batch ({b[0]:g} sequences): base and per-sequence cost cannot "
@@ -203,6 +244,13 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
     notes = [] if use_ctx else ["per_context_token not fitted: the levels' context lengths hardly differ (0 s)"]
     base, per_decode = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
     per_ctx = max(float(coef[2]), 0.0) if use_ctx else 0.0
+    per_waiting = 0.0
+    told = waiting_cost(queued, slots, lambda bs, c: max(floor, base + per_decode * bs + per_ctx * bs * c))
+    if told is not None:
+        per_waiting, why = told
+        notes.append(why)
+    elif any(waiting_at_server(o, slots) >= 0.5 for o in every):
+        notes.append("per_waiting not fitted: no level with requests waiting at the server told a pure decode step")
     lone = [o for o in obs if o.mode == "concurrency" and o.level == 1]
     low = lone[0] if lone else min(obs, key=lambda o: (batch(o, slots), o.level))
     ppt, per_request, how = prefill_and_overhead(obs, low, slots, (base, per_decode, per_ctx))
@@ -213,13 +261,13 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
         ppt, how = measured
         per_request = max(beyond - ppt * low.input_tokens, 0.0)
     stderr = {"base": err[0], "per_decode": err[1], "per_context_token": err[2] if use_ctx else None,
-              "per_prefill_token": None, "per_request": None, "floor": None}
+              "per_prefill_token": None, "per_request": None, "floor": None, "per_waiting": None}
     notes.append(how + ("" if lone else ": with no lone request (c=1) its queueing is in it too, the refinement "
                         "trims it"))
     if floor:
         notes.append(f"floor: the pure decode step at the smallest batch ({floor * 1e3:.3f} ms) is over "
                      f"{FLOOR_GAP:.0%} above the line through the larger ones: a step takes at least that")
-    return cost_from((base, per_decode, ppt, per_ctx, per_request, floor)), stderr, notes
+    return cost_from((base, per_decode, ppt, per_ctx, per_request, floor, per_waiting)), stderr, notes
 
 
 FLOOR_GAP = 0.05

@@ -20,8 +20,8 @@ SIM_REQUESTS_MIN = 64
 
 
 COST_KEYS = tuple(StepCost.model_fields)
-"""The coefficients in their order (base, per_decode, per_prefill_token, per_context_token, per_request, floor): the
-fit's vector."""
+"""The coefficients in their order (base, per_decode, per_prefill_token, per_context_token, per_request, floor,
+per_waiting): the fit's vector."""
 
 
 def cost_vector(cost: StepCost) -> tuple[float, ...]:

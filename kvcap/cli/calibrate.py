@@ -69,9 +69,11 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     ms = {k: v["value_s"] * 1e3 for k, v in c.items()}
     render_table(result["table"], title=f"kvcap calibrate → {result['scenario']}")
     floor_text = f", at least {ms['floor']:.3f} ms" if ms.get("floor") else ""
+    waiting_text = (f" + {ms['per_waiting'] * 1e3:.2f} µs/sequence/request waiting" if ms.get("per_waiting")
+                    else "")
     print(f"step = {ms['base']:.3f} ms + {ms['per_decode']:.3f} ms/sequence + "
           f"{ms['per_prefill_token'] * 1e3:.2f} µs/prompt token + {ms['per_context_token'] * 1e3:.4f} µs/KV token"
-          f"{floor_text}; {result['slots']} slots ({result['slots_source']}); engine {result['engine']}")
+          f"{waiting_text}{floor_text}; {result['slots']} slots ({result['slots_source']}); engine {result['engine']}")
     fe, he = result["fit_error"], result["holdout_error"]
     print(f"fit error (mean |%|): tok/s {fe['throughput']}, TPOT p50 {fe['tpot_p50']}, TTFT p50 {fe['ttft_p50']}")
     if he:

@@ -48,6 +48,9 @@ class BatchShape:
     """Forward passes the engine runs for this step: 1 for vLLM; llama.cpp's split KV runs one per run of
     consecutive busy slots and more for a prompt beside decodes (:func:`kvcap.sim.policy_llamacpp.forward_passes`).
     A measured step cost pays its fixed part per pass; the roofline prices one pass (vLLM)."""
+    waiting: int = 0
+    """Requests waiting at the server while the step runs (a measured step cost's ``per_waiting``; the roofline
+    prices the engine alone)."""
 
     @classmethod
     def of(cls, prefill: Iterable[tuple[int, int]] = (), decode: Iterable[int] = (),

@@ -83,7 +83,7 @@ def _cost(cm: ClusterModel) -> CostModel | EmpiricalCost:
     if sv.step_cost is not None:
         c = sv.step_cost
         return EmpiricalCost(inputs.model, c.base, c.per_decode, c.per_prefill_token, c.per_context_token,
-                             c.floor)
+                             c.floor, c.per_waiting)
     return cost_model(inputs.model, inputs.gpu, tp=sv.tensor_parallel, weights_dtype=cm.plan.weights_dtype,
                       kv_dtype=sc.model.kv_dtype)
 

@@ -4,7 +4,8 @@ Why a second cost model: the roofline prices a step from a GPU's datasheet and p
 already measured is better described by its own coefficients. A step takes
 
     base·passes + per_decode·(sequences that sample) + per_prefill_token·(prompt tokens)
-        + per_context_token·(decode KV),   at least floor·passes
+        + per_context_token·(decode KV) + per_waiting·(sequences that sample)·(requests waiting),
+    at least floor·passes
 
 where passes are the forward passes the engine runs for the step (1, but for llama.cpp's split KV), the sequences that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt
 that finishes in the step samples its first token; engines also compute a row of logits for a partial chunk)
@@ -39,12 +40,15 @@ class EmpiricalCost:
     per_context_token: float
     floor: float = 0.0
     """Seconds a forward pass takes at least (``StepCost.floor``)."""
+    per_waiting: float = 0.0
+    """Seconds per sequence that samples per request waiting at the server (``StepCost.per_waiting``)."""
 
     def iteration_time(self, batch: BatchShape) -> IterationCost:
         """One step over ``batch``; an empty batch costs nothing (as the roofline's)."""
         if batch.n_prefill_tokens + batch.n_decode <= 0:
             return IterationCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "compute")
-        rows = self.per_decode * batch.n_sampled + self.per_prefill_token * batch.n_prefill_tokens
+        rows = ((self.per_decode + self.per_waiting * batch.waiting) * batch.n_sampled
+                + self.per_prefill_token * batch.n_prefill_tokens)
         attn = self.per_context_token * batch.decode_context_tokens
         fixed = self.base * batch.passes
         total = max(fixed + rows + attn, self.floor * batch.passes)
@@ -91,5 +95,6 @@ class EmpiricalCost:
     def _decode_line(self, batch: BatchShape) -> tuple[float, float]:
         """(first step's seconds, growth per step) of a pure-decode span."""
         n = batch.n_decode
-        first = self.base * batch.passes + self.per_decode * n + self.per_context_token * batch.decode_context_tokens
+        first = (self.base * batch.passes + (self.per_decode + self.per_waiting * batch.waiting) * n
+                 + self.per_context_token * batch.decode_context_tokens)
         return first, self.per_context_token * n

@@ -223,6 +223,7 @@ class Replica:
         if prefills:
             shape = _mixed_shape(prefills, decoders, window)
             shape.passes = batch.passes
+            shape.waiting = len(self.waiting)
             end = now + cost.step_time(shape)
             ends = np.array((end,))
         else:
@@ -242,6 +243,7 @@ class Replica:
                 k = self.hbm.reserve_decode_steps(decoders, k, reserved)
             shape = BatchShape.decode_only([r.kv for r in decoders], window)
             shape.passes = batch.passes
+            shape.waiting = len(self.waiting)  # held over the span: an arrival that could be served cuts it
             ends = cost.decode_step_ends(shape, k, now)
             end = float(ends[-1])
         self.span = Span(t0=now, ends=ends, decoders=decoders, prefills=prefills, reserved=reserved)

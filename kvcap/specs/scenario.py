@@ -81,7 +81,8 @@ Engine = Literal["vllm", "llamacpp"]
 
 class StepCost(Strict):
     """A measured per-iteration time (``kvcap calibrate`` fits it) that replaces the roofline cost model:
-    step = base + per_decode·sequences sampling + per_prefill_token·prompt tokens + per_context_token·decode KV;
+    step = base + per_decode·sequences sampling + per_prefill_token·prompt tokens + per_context_token·decode KV
+    + per_waiting·sequences sampling·requests waiting;
     ``per_request`` is no step's: each request's fixed time outside the engine loop."""
 
     base: Duration = 0.0
@@ -97,6 +98,12 @@ class StepCost(Strict):
     """A step (a forward pass) takes at least this long; the line above applies where it is longer. The roofline's
     shape: at small batches something the batch does not change (reading the weights, a thread pool's sync) sets
     the step, so a line through small batches alone understates what each sequence costs at large ones. 0: none."""
+    per_waiting: Duration = 0.0
+    """Per sequence that samples × request waiting at the server for a slot: what each token sent costs for every
+    connection queued beside it. llama.cpp's server wakes every waiting HTTP thread for each result it sends
+    (``server_response::send`` → ``notify_all``), so a queue at the door slows the steps of those being served
+    (this machine, 8 slots: pure step 2.11 ms alone, 3.03 ms with 119 waiting). 0: no such cost (vLLM's front end
+    is asynchronous)."""
 
 
 class ServingSpec(Strict):
