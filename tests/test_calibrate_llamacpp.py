@@ -111,6 +111,8 @@ def test_calibrate_takes_slots_and_kv_pool_from_the_servers_props(runs):
     assert fit["kv_tokens"] == 4 * (4 * CTX_PER_SLOT)
     assert yaml.safe_load(runs["scenario"].read_text())["serving"]["kv_unified"] is True
     assert all(v["value_s"] >= 0 for v in fit["step_cost"].values())
+    # c = 1, 2, 4 on 4 slots never queued: what a queue costs was not measured, and the scenario says so
+    assert any("no fitted level queued requests for the 4 slots" in x for x in fit["limits"])
 
 
 def test_calibrated_llamacpp_predicts_twice_the_slots_within_15pct(runs):
@@ -153,7 +155,9 @@ def test_a_queue_at_the_door_slows_the_steps_and_calibrate_measures_it(tmp_path)
     scenario = tmp_path / "calibrated.yaml"
     p = run_cli("calibrate", str(tmp_path / "profile"), "--kv-unified", "--out", str(scenario), "--json")
     assert p.returncode == 0, p.stderr[-2000:]
-    per_waiting = json.loads(p.stdout)["step_cost"]["per_waiting"]["value_s"]
+    fit = json.loads(p.stdout)
+    per_waiting = fit["step_cost"]["per_waiting"]["value_s"]
+    assert not any("no fitted level queued" in x for x in fit["limits"])
     slowdown = 1 - measured[128]["output_tok_s"] / measured[8]["output_tok_s"]
     print(f"per_waiting {per_waiting * 1e6:.2f} µs; measured: c=128 delivers {slowdown:.0%} less than c=8")
     if slowdown > TOLERANCE:  # the queue costs something here: the fit must have seen it
