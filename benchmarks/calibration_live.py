@@ -8,6 +8,8 @@ the what-if, and benches the server the what-if describes — the fit never sees
   predict c = 24 past the KV wall;
 - a real llama.cpp server (``--kv-unified``, the tests' tiny random-weights model), when ``KVCAP_LLAMA_SERVER``
   or the tests' cache holds one: fit on ``--parallel 4`` at c = 1, 2, 4; predict ``--parallel 8`` at c = 4, 8.
+- the same llama.cpp with a queue at the door: fit on 8 slots at c = 1, 2, 4, 8, 64 (56 requests waiting for a
+  slot: ``step_cost.per_waiting``); predict c = 128 (120 waiting) on that server.
 
     .venv/bin/python benchmarks/calibration_live.py [--json]     # ~3 min on 2 cores
 """
@@ -133,11 +135,26 @@ def llamacpp(tmp: Path) -> list[dict[str, Any]]:
                 (*LENGTHS, *window), ("--kv-unified",), tmp)
 
 
+def llamacpp_queue(tmp: Path) -> list[dict[str, Any]]:
+    window = ("--warmup", "1s", "--duration", "4s")
+    gguf = write_tiny_llama_gguf(tmp / "tiny.gguf", **SHAPE)
+    measured: dict[float, dict] = {}
+
+    def profile(d: Path) -> list[Path]:
+        with llama_server(gguf, parallel=8, ctx_size=8 * CTX_PER_SLOT, extra_args=("--kv-unified",)) as url:
+            bench(url, d / "queue", "1,2,4,8,64", *LENGTHS, *NO_CACHE, *window)
+            measured.update(bench(url, d / "held", "128", *LENGTHS, *NO_CACHE, *window))
+        return [d / "queue"]
+
+    return case("llama.cpp 8 slots, 120 waiting", "c=1-8,64", profile, lambda d: measured, [], "128",
+                (*LENGTHS, *window), ("--kv-unified",), tmp)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
-    cases = [batching_server, serve_sim_wall] + ([llamacpp] if llama_server_binary() else [])
+    cases = [batching_server, serve_sim_wall] + ([llamacpp, llamacpp_queue] if llama_server_binary() else [])
     table: list[dict[str, Any]] = []
     for run in cases:
         with tempfile.TemporaryDirectory(prefix="kvcap-cal-live-") as tmp:
