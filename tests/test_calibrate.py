@@ -192,6 +192,29 @@ def test_a_what_if_far_past_the_profiled_batch_is_called_an_extrapolation(tmp_pa
             assert "up to 32 sequences ran at once on a scenario calibrated at up to 8" in p.stderr
 
 
+def test_a_what_if_that_queues_past_the_profile_says_the_queue_cost_was_not_measured(tmp_path):
+    """A llama.cpp profile records how many requests it queued for the slots (its steps slow as they wait):
+    ``kvcap sim`` says so when a what-if queues far more, and nothing within the profile's queue."""
+    scenario = tmp_path / "calibrated.yaml"
+    data = {"serving": {"engine": "llamacpp", "max_num_seqs": 4, "kv_tokens": 8192,
+                        "step_cost": {"base": "1ms", "per_decode": "0.2ms"}},
+            "workload": {"input_tokens": 32, "output_tokens": 16},
+            "calibration": {"profiled_input_tokens": [32, 32], "profiled_batch": [1, 4], "profiled_waiting": [0, 0],
+                            "limits": []}}
+    scenario.write_text(yaml.safe_dump(data))
+    for c, far in ((4, False), (32, True)):
+        p = run_cli("sim", str(scenario), "--concurrency", str(c), "--requests", str(4 * c), "--warmup", "0s",
+                    "--out", str(tmp_path / str(c)), "--quiet")
+        assert p.returncode == 0, p.stderr
+        assert ("the profile never queued" in p.stderr) == far, (c, p.stderr)
+    data["calibration"]["profiled_waiting"] = [0, 24]
+    scenario.write_text(yaml.safe_dump(data))
+    p = run_cli("sim", str(scenario), "--concurrency", "64", "--requests", "256", "--warmup", "0s",
+                "--out", str(tmp_path / "64"), "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert "calibrated with up to 24 waiting: this prediction extrapolates the fitted cost of a queue" in p.stderr
+
+
 # ---------------------------------------------------------------- over real HTTP
 
 def bench(url: str, out: Path, *args: str) -> None:

@@ -181,3 +181,17 @@ def batch_extrapolation(calibration: dict[str, Any] | None, peak: int) -> str | 
         return None
     return (f"up to {peak} sequences ran at once on a scenario calibrated at up to {span[1]}: this prediction "
             "extrapolates the fitted step line (profile at the batch you will ask about)")
+
+
+def queue_extrapolation(calibration: dict[str, Any] | None, waiting_peak: float) -> str | None:
+    """The note ``kvcap sim`` prints when requests waited for a slot past what the profile queued, on a scenario
+    whose profile recorded its queue (``profiled_waiting``: llama.cpp, whose steps slow as requests wait)."""
+    span = (calibration or {}).get("profiled_waiting")
+    if not span or waiting_peak <= max(1.0, span[1] * PROFILED_SPAN):
+        return None
+    if span[1] < 1:
+        return (f"up to {waiting_peak:g} requests waited for a slot, and the profile never queued: what a queue costs "
+                "the server's steps (llama.cpp: step_cost.per_waiting) is not in this prediction, which may be high "
+                "(profile one level at 4-8x the slots)")
+    return (f"up to {waiting_peak:g} requests waited for a slot on a scenario calibrated with up to {span[1]:g} "
+            "waiting: this prediction extrapolates the fitted cost of a queue")

@@ -102,6 +102,9 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
             f"(e.g. --concurrency {8 * result.slots})")
     section["profiled_input_tokens"] = [round(min(o.input_tokens for o in fitted)),
                                         round(max(o.input_tokens for o in fitted))]
+    if profile == "llamacpp":  # its steps slow as requests wait: say when a what-if queues past the profile
+        section["profiled_waiting"] = [round(min(waiting_at_server(o, result.slots) for o in fitted)),
+                                       round(max(waiting_at_server(o, result.slots) for o in fitted))]
     section["profiled_batch"] = [round(min(batch(o, result.slots) for o in fitted)),
                                  round(max(batch(o, result.slots) for o in fitted))]
     write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")

@@ -144,13 +144,16 @@ def cmd_sim(a: argparse.Namespace) -> int:
         print(_speed_line(summary))
     common.print_notes("sim", summary)
     if cfg.scenario.calibration:
-        from kvcap.calibrate.output import batch_extrapolation
+        from kvcap.calibrate.output import batch_extrapolation, queue_extrapolation
         from kvcap.rundir import RunDir
 
-        peak = max((int(lv.get("sim", {}).get("running_peak") or 0) for lv in RunDir(cfg.out).levels()), default=0)
-        far = batch_extrapolation(cfg.scenario.calibration, peak)
-        if far:
-            print(f"kvcap sim: note: {far}", file=sys.stderr)
+        infos = [lv.get("sim", {}) for lv in RunDir(cfg.out).levels()]
+        peak = max((int(s.get("running_peak") or 0) for s in infos), default=0)
+        waiting = max((int(s.get("waiting_peak") or 0) for s in infos), default=0)
+        for far in (batch_extrapolation(cfg.scenario.calibration, peak),
+                    queue_extrapolation(cfg.scenario.calibration, waiting)):
+            if far:
+                print(f"kvcap sim: note: {far}", file=sys.stderr)
     return common.exit_status(summary)
 
 

@@ -131,6 +131,9 @@ class Replica:
         """HBM blocks promised to committed decoders at their full length (offload admission ``tiers``)."""
         self.parking = cfg.park_after_prefill
         self.running_peak = 0
+        self.waiting_peak = 0
+        """The most requests queued here at once past the slots (requests that would wait with every slot taken; a
+        calibrated llama.cpp scenario says when it passes its profile's queue)."""
         self.window = cfg.cost.model.sliding_window
         self.engine_state: Any = None
         """What the policy keeps per replica (llama.cpp: its slot table); None until it needs some."""
@@ -157,6 +160,9 @@ class Replica:
             self.sim.finish(req, now)
             return
         self.waiting.append(req)
+        past = len(self.waiting) + len(self.running) - self.cfg.max_num_seqs
+        if past > self.waiting_peak:
+            self.waiting_peak = past
         self.poke(now)
 
     def abort(self, req: SimRequest, now: float) -> bool:

@@ -326,6 +326,7 @@ class _LevelRun:
                     "realtime_factor": round(t_end / wall, 1) if wall > 0 else None,
                     "preemptions": sum(r.preemptions for r in reps),
                     "running_peak": max(r.running_peak for r in reps),
+                    "waiting_peak": max(r.waiting_peak for r in reps),
                     "finished": self.ok, "errors": self.errors, "cancelled": cancelled}}
         if self.mode == "trace":
             info["trace_requests"] = len(self.specs)
