@@ -137,7 +137,7 @@ QUEUE_TOLERANCE = 0.20
 """How close the c = 128 prediction from a c = 64 profile must come. The cost of a queue on this shared 2-core
 machine is not a smooth line: one ladder on one server read its pure step +6.6, +7.9, +9.0, +22.5, +32.8, +33.4%
 over c = 8 at 8, 23, 39, 55, 88 and 120 waiting, and c = 64 alone read +15…+29% over six runs, which a
-prediction at twice the queue carries twice over (+2.7…+15.3% on throughput at c = 128 over five runs)."""
+prediction at twice the queue carries twice over (+2.7…+15.3% on throughput at c = 128 over nine runs)."""
 
 
 def test_a_queue_at_the_door_slows_the_steps_and_calibrate_measures_it(tmp_path):
