@@ -3,6 +3,7 @@ known: a pure decode step of ``PURE`` and ``PROMPT`` more for a step that carrie
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import pairwise
 from typing import Any
 
@@ -105,3 +106,25 @@ def test_a_pure_step_above_the_line_of_the_larger_batches_is_a_floor():
     assert linear.floor == 0.0  # on the line: no floor
     two, _, _ = closed_form([roof(c) for c in (1, 4)], slots=4)
     assert two.floor == 0.0  # two batch sizes make any line: a floor is not told
+
+
+def test_a_queue_for_the_slots_is_priced_apart_from_the_line():
+    """Pure steps of 0.4 ms + 0.2 ms a sequence, plus 1 µs per sequence per request waiting for one of 8 slots (what
+    llama.cpp's notify_all costs): the line goes through the unqueued levels only, and the queued levels' excess
+    over it is ``per_waiting``. A line through every level would have read the queue as cost per sequence."""
+    def lvl(c: int) -> Observation:
+        b, waiting = min(c, 8), max(0, c - 8)
+        step = 0.0004 + 0.0002 * b + 1e-6 * b * waiting
+        return Observation(run="r", mode="concurrency", level=c, ttft_p50=step + 0.005, ttft_p95=step,
+                           tpot_p50=step, tpot_p95=step, throughput=100.0, input_tokens=48, output_tokens=32,
+                           pure_step=step, prompt_step=0.0002 + 0.005)
+    cost, _, notes = closed_form([lvl(c) for c in (2, 4, 8, 64, 128)], slots=8)
+    assert (cost.base, cost.per_decode, cost.per_waiting) == pytest.approx((0.0004, 0.0002, 1e-6), rel=1e-6)
+    assert any(n.startswith("per_waiting from the pure steps of c=64") for n in notes)
+    unqueued, _, _ = closed_form([lvl(c) for c in (2, 4, 8)], slots=8)
+    assert unqueued.per_waiting == 0.0
+    # noise-sized excess (under 3% of the step) is not a cost; one unqueued batch size cannot carry a line apart
+    flat, _, notes = closed_form([lvl(c) for c in (2, 4, 8)] + [replace(lvl(8), level=64)], slots=8)
+    assert flat.per_waiting == 0.0 and any(n.startswith("per_waiting 0:") for n in notes)
+    one, _, notes = closed_form([lvl(c) for c in (4, 64, 128)], slots=8)
+    assert one.per_waiting == 0.0 and any("fewer than two batch sizes" in n for n in notes)

@@ -214,10 +214,10 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
     """The linear first estimate and its standard errors (None where the data cannot give one). The decode line
     goes through the levels with no request waiting at the server where two batch sizes or more remain (a queue
     at the door can slow the steps: ``per_waiting``, told from the others)."""
-    every = obs
     free = [o for o in obs if waiting_at_server(o, slots) < 0.5]
     queued = [o for o in obs if o not in free]
-    if queued and len({round(batch(o, slots), 6) for o in free}) >= 2:
+    unseparated = bool(queued) and len({round(batch(o, slots), 6) for o in free}) < 2
+    if queued and not unseparated:
         obs = free
     else:
         queued = []
@@ -249,7 +249,10 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
     if told is not None:
         per_waiting, why = told
         notes.append(why)
-    elif any(waiting_at_server(o, slots) >= 0.5 for o in every):
+    elif unseparated:
+        notes.append("per_waiting not fitted: the levels without requests waiting for a slot ran fewer than two batch "
+                     "sizes, so the line goes through the queued ones too")
+    elif queued:
         notes.append("per_waiting not fitted: no level with requests waiting at the server told a pure decode step")
     lone = [o for o in obs if o.mode == "concurrency" and o.level == 1]
     low = lone[0] if lone else min(obs, key=lambda o: (batch(o, slots), o.level))
