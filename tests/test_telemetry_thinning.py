@@ -22,6 +22,7 @@ from kvcap.analysis.telemetry import (
     how,
     node_figures,
     nodes,
+    round_us,
     series,
     series_of,
 )
@@ -127,3 +128,12 @@ def test_series_plus_adds_per_sample_time() -> None:
     both = a.plus(b)
     assert both.t.tolist() == [0.0, 1.0, 2.0, 3.0] and both.v.tolist() == [1.0, 12.0, 3.0, 20.0]
     assert not Series(np.zeros(0), np.zeros(0)) and a.within(0.5, 2.0).v.tolist() == [2.0, 3.0]
+
+
+def test_grid_times_round_as_python_rounds():
+    """The grid's times are ``round(t + k·step, 6)`` as the sampler wrote them, computed by numpy: the same float as
+    Python's ``round`` for every value, ties and near-ties included (those go through Python's ``round``)."""
+    rng = np.random.default_rng(7)
+    x = np.concatenate([rng.uniform(0, 2e5, 200_000), np.arange(0, 20_000, 0.25) + 1e-7,
+                        np.arange(0, 100, 1e-3) + 5e-7, np.cumsum(np.full(50_000, 0.1)), np.array([0.0, 2.5e-6, 1e6])])
+    assert round_us(x).tolist() == [round(v, 6) for v in x.tolist()]

@@ -217,6 +217,19 @@ def _window(t: np.ndarray, t0: float, t1: float) -> np.ndarray:
     return (t >= t0) & (t <= t1)
 
 
+def round_us(x: np.ndarray) -> np.ndarray:
+    """``round(v, 6)`` of every value, as Python rounds (the sampler's grid times are Python-rounded), at numpy's
+    speed: ``rint(v·10⁶) / 10⁶`` is the same float wherever v·10⁶ lies clear of a half (the product's error is a few
+    ulps; then both pick one integer, and dividing it by 10⁶ is the nearest float to the decimal, as Python's is);
+    the values within a few ulps of a half go through Python's ``round`` (grid times sit near whole µs, so ~none)."""
+    y = x * 1e6
+    out = np.rint(y) / 1e6
+    near = np.flatnonzero(np.abs(np.abs(y - np.floor(y)) - 0.5) <= 8 * np.spacing(np.abs(y)) + 1e-12)
+    if near.size:
+        out[near] = np.fromiter(map(round, x[near].tolist(), repeat(6)), float, count=near.size)
+    return out
+
+
 def _held_on_grid(t: np.ndarray, v: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One series' rows with each held value repeated every ``hold_s`` (at ``round(t + k·hold_s, 6)``, as the
     sampler rounds) until the series' next row; rows without ``hold_s`` as they are."""
@@ -228,7 +241,7 @@ def _held_on_grid(t: np.ndarray, v: np.ndarray, h: np.ndarray) -> tuple[np.ndarr
     n = np.ceil((t[held + 1] - t[held]) / steps).astype(np.int64) + 1
     owner = np.repeat(held, n)
     k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + 1
-    grid = np.fromiter(map(round, (t[owner] + k * np.repeat(steps, n)).tolist(), repeat(6)), float, count=k.size)
+    grid = round_us(t[owner] + k * np.repeat(steps, n))
     keep = grid < t[owner + 1]
     owner, grid = owner[keep], grid[keep]
     times = np.concatenate((t, grid))
