@@ -139,14 +139,24 @@ class RayCluster:
         self.temp_dir, self.log_dir, self.num_cpus = temp_dir, log_dir, num_cpus
         self.port = 0
         self.node_manager_ports: list[int] = []
+        self.taken: set[int] = set()
+        """Ports given to any node of this cluster, worker ranges included: free now is not enough, since a node
+        binds its worker ports only as it starts workers."""
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def _ray_start(self, index: int, head: bool) -> None:
-        gcs, nm, om, agent, agent_grpc, rt_env, metrics, dash = free_ports(8)
         base = free_port_range(WORKER_PORTS)
+        while self.taken & set(range(base, base + WORKER_PORTS)):
+            base = free_port_range(WORKER_PORTS)
+        self.taken |= set(range(base, base + WORKER_PORTS))
+        ports = free_ports(8)
+        while self.taken & set(ports):  # free now, but another component's (a worker range binds late)
+            ports = free_ports(8)
+        self.taken |= set(ports)
+        gcs, nm, om, agent, agent_grpc, rt_env, metrics, dash = ports
         args = [RAY, "start", "--node-ip-address", "127.0.0.1", "--temp-dir", str(self.temp_dir),
                 "--num-cpus", str(self.num_cpus), "--node-manager-port", str(nm), "--object-manager-port", str(om),
                 "--min-worker-port", str(base), "--max-worker-port", str(base + WORKER_PORTS - 1),
