@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from kvcap.calibrate.fit import closed_form, estimate_slots, fit, nelder_mead
+from kvcap.calibrate.closed_form import closed_form
+from kvcap.calibrate.fit import estimate_slots, fit, nelder_mead
 from kvcap.calibrate.observe import Observation, ServerFacts
 from kvcap.calibrate.output import measured_load
 from kvcap.calibrate.pipeline import limits, misfits

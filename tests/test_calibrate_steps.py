@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvcap.calibrate.fit import closed_form, measured_prompt_cost
+from kvcap.calibrate.closed_form import closed_form, measured_prompt_cost
 from kvcap.calibrate.observe import Observation
 from kvcap.calibrate.steps import step_splits
 

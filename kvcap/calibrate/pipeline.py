@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.calibrate.fit import DEFAULT_BUDGET, MAX_EVALS, Simulator, batch, fit, summary_errors, waiting_at_server
+from kvcap.calibrate.closed_form import DEFAULT_BUDGET, batch, load_of, waiting_at_server
+from kvcap.calibrate.fit import MAX_EVALS, Simulator, fit, summary_errors
 from kvcap.calibrate.observe import Observation, observe
 from kvcap.calibrate.output import (
     base_scenario,
@@ -166,8 +167,3 @@ def limits(fitted: list[Observation], budget: int | None) -> list[str]:
                    f"{budget:,}-token step budget the scenario keeps (the engine default): whether the server puts "
                    "more prompt tokens in one step was not measured, and predictions past it assume that budget")
     return out
-
-
-def load_of(o: Observation) -> float:
-    """Requests the level held at once: its users, or its measured in-flight mean (open loop, trace)."""
-    return o.level if o.mode == "concurrency" else (o.in_flight or 1.0)
