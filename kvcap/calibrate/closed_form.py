@@ -128,8 +128,13 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
     notes = [] if use_ctx else ["per_context_token not fitted: the levels' context lengths hardly differ (0 s)"]
     base, per_decode = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
     per_ctx = max(float(coef[2]), 0.0) if use_ctx else 0.0
+
+    def line(bs: float, c: float) -> float:
+        """The fitted pure decode step of ``bs`` sequences attending to ``c`` tokens each."""
+        return max(floor, base + per_decode * bs + per_ctx * bs * c)
+
     per_waiting = 0.0
-    told = waiting_cost(queued, slots, lambda bs, c: max(floor, base + per_decode * bs + per_ctx * bs * c))
+    told = waiting_cost(queued, slots, line)
     if told is not None:
         per_waiting, why = told
         notes.append(why)
@@ -144,7 +149,7 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
     measured = measured_prompt_cost(obs, per_decode)
     if measured is not None:  # the front end is what TTFT holds beyond the prompt's own step
         bl = batch(low, slots)
-        beyond = low.ttft_p50 - max(floor, base + per_decode * bl + per_ctx * bl * low.input_tokens)
+        beyond = low.ttft_p50 - line(bl, low.input_tokens)
         ppt, how = measured
         per_request = max(beyond - ppt * low.input_tokens, 0.0)
     stderr = {"base": err[0], "per_decode": err[1], "per_context_token": err[2] if use_ctx else None,

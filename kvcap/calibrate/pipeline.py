@@ -95,17 +95,17 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
     section["warnings"] = misfits(rows)
     section["limits"] = limits(fitted, DEFAULT_BUDGET if budget is None else None)
-    if profile == "llamacpp" and not any(waiting_at_server(o, result.slots) >= 0.5 for o in fitted):
-        section["limits"].append(
-            f"no fitted level queued requests for the {result.slots} slots: llama.cpp's steps slow as requests wait "
-            "(it wakes every waiting connection for each result it sends: step_cost.per_waiting), so predictions past "
-            f"the slots assume a queue costs nothing; profile one level at 4-8x the slots "
-            f"(e.g. --concurrency {8 * result.slots})")
     section["profiled_input_tokens"] = [round(min(o.input_tokens for o in fitted)),
                                         round(max(o.input_tokens for o in fitted))]
-    if profile == "llamacpp":  # its steps slow as requests wait: say when a what-if queues past the profile
-        section["profiled_waiting"] = [round(min(waiting_at_server(o, result.slots) for o in fitted)),
-                                       round(max(waiting_at_server(o, result.slots) for o in fitted))]
+    if profile == "llamacpp":  # its steps slow as requests wait: what the profile queued bounds what it can say
+        queued = [waiting_at_server(o, result.slots) for o in fitted]
+        section["profiled_waiting"] = [round(min(queued)), round(max(queued))]
+        if max(queued) < 0.5:
+            section["limits"].append(
+                f"no fitted level queued requests for the {result.slots} slots: llama.cpp's steps slow as requests "
+                "wait (it wakes every waiting connection for each result it sends: step_cost.per_waiting), so "
+                "predictions past the slots assume a queue costs nothing; profile one level at 4-8x the slots "
+                f"(e.g. --concurrency {8 * result.slots})")
     section["profiled_batch"] = [round(min(batch(o, result.slots) for o in fitted)),
                                  round(max(batch(o, result.slots) for o in fitted))]
     write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")
