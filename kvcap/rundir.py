@@ -28,6 +28,9 @@ REQUESTS = "requests.jsonl"
 LEVELS = "levels.jsonl"
 TELEMETRY = "telemetry.jsonl"
 SUMMARY = "summary.json"
+COLUMN_COPIES = ("requests.columns", "requests.columns.json", "telemetry.columns", "telemetry.columns.json")
+"""``sim``'s binary copies of what the analysis reads from ``requests.jsonl`` and ``telemetry.jsonl``, and their
+indexes (``analysis.column_file``): stale once those files change."""
 
 
 # ---------------------------------------------------------------- the two schemas: one record, one manifest
@@ -185,6 +188,8 @@ class RunWriter:
         if not append:
             for name in (MANIFEST, REQUESTS, LEVELS, TELEMETRY, SUMMARY):
                 (self.dir / name).unlink(missing_ok=True)
+        for name in COLUMN_COPIES:  # a copy of files about to change (an append too) is stale
+            (self.dir / name).unlink(missing_ok=True)
         self._files: dict[str, IO[bytes]] = {}
         self.records = 0
         self.flush_s = flush_s

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcap.analysis.column_file import Damaged, stored_columns
 from kvcap.analysis.quantiles import counted_percentiles, percentiles
 from kvcap.rundir import CHUNK_BYTES, gc_paused, jsonl_chunks
 
@@ -56,11 +57,13 @@ class ItlValues:
         self.exact_max = exact_max
         self.parts: list[np.ndarray] = []
         self.size = 0
-        self.grid: dict[int, int] = {}  # 1 µs value → count, once past ITL_EXACT_MAX
+        self.grid_us = np.zeros(0, np.int64)  # distinct 1 µs values (sorted) and their counts, past ITL_EXACT_MAX
+        self.grid_counts = np.zeros(0, np.int64)
         self.grid_sum_us = 0
         self.off_grid = False
 
     def add(self, values: np.ndarray) -> None:
+        """ITLs in ms (floats), or in µs as unsigned integers (a column file's, exact on the grid already)."""
         if values.size == 0:
             return
         self.parts.append(values)
@@ -68,33 +71,44 @@ class ItlValues:
         if self.size > self.exact_max and not self.off_grid:
             self._count()
 
+    def _floats(self) -> np.ndarray:
+        return np.concatenate([p / 1e3 if p.dtype.kind == "u" else p for p in self.parts]) if self.parts \
+            else np.zeros(0)
+
     def _count(self) -> None:
         if not self.parts:
             return
-        flat = np.concatenate(self.parts)
-        us = np.rint(flat * 1e3).astype(np.int64)
-        if not np.array_equal(us / 1e3, flat):  # not on the 1 µs grid: keep every float (exact, unbounded)
-            if self.grid:
-                keys = np.fromiter(self.grid, np.int64, count=len(self.grid))
-                counts = np.fromiter(self.grid.values(), np.int64, count=len(self.grid))
-                flat = np.concatenate((np.repeat(keys / 1e3, counts), flat))
-                self.grid, self.grid_sum_us = {}, 0
-            self.parts, self.off_grid = [flat], True
-            return
+        us_parts = []
+        for part in self.parts:
+            us = part.astype(np.int64) if part.dtype.kind == "u" else np.rint(part * 1e3).astype(np.int64)
+            if part.dtype.kind != "u" and not np.array_equal(us / 1e3, part):
+                # not on the 1 µs grid: keep every float (exact, unbounded)
+                flat = self._floats()
+                if self.grid_us.size:
+                    flat = np.concatenate((np.repeat(self.grid_us / 1e3, self.grid_counts), flat))
+                    self.grid_us, self.grid_counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
+                    self.grid_sum_us = 0
+                self.parts, self.off_grid = [flat], True
+                return
+            us_parts.append(us)
+        us = np.concatenate(us_parts)
         self.parts, self.size = [], 0
         vals, counts = _value_counts(us)
-        for v, c in zip(vals.tolist(), counts.tolist()):
-            self.grid[v] = self.grid.get(v, 0) + c
+        if self.grid_us.size:  # merged as arrays: a level has ~10⁵ distinct values, merged ~100 times
+            vals, where = np.unique(np.concatenate((self.grid_us, vals)), return_inverse=True)
+            merged = np.zeros(vals.size, np.int64)
+            np.add.at(merged, where, np.concatenate((self.grid_counts, counts)))
+            counts = merged
+        self.grid_us, self.grid_counts = vals, counts
         self.grid_sum_us += int(us.sum())
 
     def percentiles(self) -> dict[str, float | None]:
-        if not self.grid:
-            return percentiles(np.concatenate(self.parts) if self.parts else np.zeros(0))
+        if not self.grid_us.size:
+            return percentiles(self._floats())
         self._count()
-        keys = np.fromiter(sorted(self.grid), np.int64, count=len(self.grid))
-        counts = np.fromiter((self.grid[k] for k in keys.tolist()), np.int64, count=keys.size)
         # the exact mean (an integer count of µs over n), where np.mean's pairwise float sum may differ by an ulp
-        return counted_percentiles(keys / 1e3, counts, self.grid_sum_us / (int(counts.sum()) * 1000))
+        return counted_percentiles(self.grid_us / 1e3, self.grid_counts,
+                                   self.grid_sum_us / (int(self.grid_counts.sum()) * 1000))
 
 
 def _value_counts(us: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -381,12 +395,14 @@ class _Builder:
     def add(self, cols: dict[str, Any], rows: np.ndarray | None) -> None:
         """Append the chunk's rows of this level (``rows`` None: the whole chunk is this level's)."""
         take = (lambda a: a) if rows is None else (lambda a: a[rows])
-        mine = {k: take(v) for k, v in cols.items() if k not in ("itl", "key")}
+        mine = {k: take(v) for k, v in cols.items() if k not in ("itl", "itl_us", "key")}
         lens = mine.pop("itl_len")
+        us = cols.get("itl_us")  # the same ITLs in µs (a column file's), for the percentiles' counts
         if rows is None:
             flat = cols["itl"]
         else:  # this level's ITLs out of the chunk's flat array
             flat = itls_of(cols["itl"], cols["itl_len"], rows) if lens.sum() else np.zeros(0)
+            us = itls_of(us, cols["itl_len"], rows) if us is not None and lens.sum() else None
         mine["has_itl"] = lens > 0
         for k, v in mine.items():
             if k not in self.parts:
@@ -399,7 +415,7 @@ class _Builder:
             for acc, count in zip(self.win_parts, _count_tokens(first, flat, lens, self.windows)):
                 acc.extend(count)
         ok = (mine["phase"] != _PHASE_OTHER) & ~mine["cancelled"] & mine["ok"]
-        self.itl_ok.add(flat[np.repeat(ok, lens)])
+        self.itl_ok.add((flat if us is None else us)[np.repeat(ok, lens)])
 
     def columns(self) -> dict[str, np.ndarray]:
         cols = {k: v.done() for k, v in self.parts.items()}
@@ -430,34 +446,41 @@ def columns_of(chunks: Iterable[list[dict[str, Any]]], windows: dict[Key, dict[i
                itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, LevelArrays]:
     """Per (mode, level): its records' columns. ``windows``: the measured windows known up front, per repeat."""
     keys, errors = _level_codes(), _error_codes()
+    extracted = (_extract(recs, keys, errors) for recs in chunks if recs)
+    return _levels(extracted, windows, keys.ids, errors.ids, itl_exact_max)
+
+
+def _levels(extracted: Iterable[dict[str, Any]], windows: dict[Key, dict[int, Window]], key_ids: dict[Key, int],
+            error_ids: dict[str, int], itl_exact_max: int) -> dict[Key, LevelArrays]:
+    """Chunks of columns (``_extract``'s) into one builder per level, made on its first record; ``key_ids`` and
+    ``error_ids`` give the chunks' codes (filled as the chunks are made, when they come from records)."""
     builders: dict[int, _Builder] = {}
     with gc_paused():
-        _fill(builders, chunks, windows, keys, errors, itl_exact_max)
-    names = list(errors.ids)
+        for cols in extracted:
+            ids = np.unique(cols["key"])
+            for kid in ids.tolist():
+                if kid not in builders:
+                    key = next(k for k, v in key_ids.items() if v == kid)
+                    builders[kid] = _Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max)
+                builders[kid].add(cols, None if ids.size == 1 else np.flatnonzero(cols["key"] == kid))
+    names = list(error_ids)
     out = {}
-    for key, kid in keys.ids.items():
-        builders[kid].error_names = names
-        out[key] = LevelArrays._built(builders[kid])
+    for key, kid in key_ids.items():
+        if kid in builders:  # (a level announced but without a record has no columns, as in the file)
+            builders[kid].error_names = names
+            out[key] = LevelArrays._built(builders[kid])
     return out
-
-
-def _fill(builders: dict[int, _Builder], chunks: Iterable[list[dict[str, Any]]],
-          windows: dict[Key, dict[int, Window]], keys: Codes, errors: Codes, itl_exact_max: int) -> None:
-    """Each chunk's records into their level's builder (one builder per level, made on its first record)."""
-    for recs in chunks:
-        if not recs:
-            continue
-        cols = _extract(recs, keys, errors)
-        ids = np.unique(cols["key"])
-        for kid in ids.tolist():
-            if kid not in builders:
-                key = next(k for k, v in keys.ids.items() if v == kid)
-                builders[kid] = _Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max)
-            builders[kid].add(cols, None if ids.size == 1 else np.flatnonzero(cols["key"] == kid))
 
 
 def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes: int = CHUNK_BYTES,
                  itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, LevelArrays]:
-    """``requests.jsonl`` streamed into per-level columns (no dict per record kept)."""
+    """``requests.jsonl`` streamed into per-level columns (no dict per record kept): from the binary copy of its
+    columns beside it when that is whole and taken from this very file (``column_file``), else parsed."""
+    stored = stored_columns(path) if path.exists() else None
+    if stored is not None:
+        try:
+            return _levels(stored.chunks(), windows, {k: i for i, k in enumerate(stored.keys)},
+                           {e: i for i, e in enumerate(stored.errors)}, itl_exact_max)
+        except Damaged:
+            pass
     return columns_of(jsonl_chunks(path, chunk_bytes) if path.exists() else (), windows, itl_exact_max)
-

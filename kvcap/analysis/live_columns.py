@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcap.analysis.column_file import ColumnWriter
 from kvcap.analysis.columns import EDGE_MARGIN_S as MARGIN_S
 from kvcap.analysis.columns import (
     Key,
@@ -108,9 +109,11 @@ class LiveColumns:
     """Records → per-level columns as a run writes them (see the module docstring); ``reader`` hands them to
     ``build_summary`` in place of re-reading ``requests.jsonl``."""
 
-    def __init__(self, chunk: int = 4096):
+    def __init__(self, chunk: int = 4096, sink: ColumnWriter | None = None):
         self.keys, self.errors = _level_codes(), _error_codes()
         self.chunk = chunk
+        self.sink = sink
+        """Where each chunk's columns are also written (``requests.columns``), whatever becomes of them here."""
         self.buf: list[dict[str, Any]] = []
         self.levels: dict[int, _LiveLevel] = {}
         self.open_key: tuple[int, int] | None = None
@@ -165,11 +168,13 @@ class LiveColumns:
         if not self.buf:
             return
         recs, self.buf = self.buf, []
+        cols = _extract(recs, self.keys, self.errors)
+        if self.sink is not None:
+            self.sink.append(cols)
         if self.open_key is None:
             self.ok = False
             return
         kid, repeat = self.open_key
-        cols = _extract(recs, self.keys, self.errors)
         if np.any(cols["key"] != kid) or np.any(cols["repeat"] != repeat) or (cols["itl"].size and
                                                                              cols["itl"].min() < 0):
             self.ok = False
@@ -195,6 +200,12 @@ class LiveColumns:
             level.settled_at = self.bound
         level.unsettled.add(level.n + near, first[near], last[near], lens[near], itls_of(flat, lens, near))
         level.n += lens.size
+
+    def close_file(self) -> None:
+        """The last records into the column file and its index written (after ``requests.jsonl`` is closed)."""
+        self.flush()
+        if self.sink is not None:
+            self.sink.close(list(self.keys.ids), list(self.errors.ids))
 
     # ------------------------------------------------------------------ the summary's side
     def reader(self, path: Path, windows: dict[Key, dict[int, Window]]) -> dict[Key, LevelArrays]:

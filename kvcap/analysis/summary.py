@@ -15,7 +15,7 @@ from kvcap.analysis.columns import LevelArrays, Reader, read_columns
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
 from kvcap.analysis.stats import check_slo, summarize_level
-from kvcap.analysis.telemetry import dedupe_sources, imbalance, node_figures_per_window, nodes, series_of, servers
+from kvcap.analysis.telemetry import imbalance, node_figures_per_window, nodes, read_telemetry, series_of, servers
 from kvcap.rundir import REQUESTS, RunDir
 from kvcap.specs.load import LIMIT_RULE
 
@@ -23,7 +23,7 @@ from kvcap.specs.load import LIMIT_RULE
 def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Reader | None = None) -> dict[str, Any]:
     """``reader``: how records become per-level columns (default: streamed from ``requests.jsonl``)."""
     slo = slo if slo is not None else (run.manifest.get("slo") or {})
-    telemetry = dedupe_sources(run.iter_telemetry())
+    telemetry = read_telemetry(run)
     running, waiting = series_of(telemetry, "server.requests_running"), series_of(telemetry, "server.requests_waiting")
     parked = series_of(telemetry, "server.requests_parked")
     resident_series = running.plus(parked) if parked else running

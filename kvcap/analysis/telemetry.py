@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.rundir import gc_paused
+from kvcap.analysis.column_file import Damaged, stored_telemetry
+from kvcap.rundir import TELEMETRY, RunDir, gc_paused
 
 MEAN = {"gpu.util", "gpu.sm_active", "gpu.dram_active", "gpu.engine_active", "server.kv_usage",
         "server.kv_usage_host", "server.kv_tier_usage", "server.prefix_cache_hit_rate", "server.offload_hit_rate"}
@@ -89,6 +90,41 @@ class Telemetry:
                 if n % CONVERT_EVERY == 0:  # as floats in arrays, not Python objects: memory ∝ rows × 24 B
                     _convert(cols, done)
         _convert(cols, done)
+        self._finish(done, dedupe)
+
+    @classmethod
+    def from_columns(cls, series: list[tuple[str, str, dict[str, Any]]], chunks: Iterable[dict[str, np.ndarray]],
+                     dedupe: bool = False) -> Telemetry:
+        """The same series from a column copy of the rows (``column_file.stored_telemetry``): ids in the order of
+        first appearance and rows in the order written, as the rows would give them."""
+        obj = cls.__new__(cls)
+        obj.meta = []
+        ids: dict[Key, int] = {}
+        mine = np.full(len(series), -1, np.int64)  # the copy's series id → this one's
+        done: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
+        with gc_paused():
+            for arrays in chunks:
+                sid = arrays["series"].astype(np.int64)
+                unseen = sid[mine[sid] < 0]
+                if unseen.size:
+                    found, first = np.unique(unseen, return_index=True)
+                    for g in found[np.argsort(first)].tolist():
+                        source, name, labels = series[g]
+                        key = (source, name, *sorted(labels.items()))
+                        if key not in ids:
+                            ids[key] = len(obj.meta)
+                            obj.meta.append((source, name, labels))
+                            done.append([])
+                        mine[g] = ids[key]
+                rid = mine[sid]
+                order = np.argsort(rid, kind="stable")
+                for rows in np.split(order, np.flatnonzero(np.diff(rid[order])) + 1):
+                    if rows.size:
+                        done[int(rid[rows[0]])].append(tuple(arrays[k][rows] for k in ("t", "value", "hold")))
+        obj._finish(done, dedupe)
+        return obj
+
+    def _finish(self, done: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]], dedupe: bool) -> None:
         self.raw: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [
             tuple(np.concatenate([p[k] for p in parts]) for k in range(3)) for parts in done]  # type: ignore[misc]
         """Each series' rows as read: times, values, ``hold_s`` (NaN: none). Put back on the grid only when asked
@@ -278,6 +314,18 @@ def dedupe_sources(rows: Iterable[dict[str, Any]]) -> Telemetry:
     """The run's telemetry with, per metric name, only the rows of the source kind (``metrics``, ``prometheus``,
     ``sim``) with most rows (counted on the grid: rows written on change are expanded first)."""
     return Telemetry(rows, dedupe=True)
+
+
+def read_telemetry(run: RunDir) -> Telemetry:
+    """``dedupe_sources`` of the run's telemetry: from its column copy when that matches ``telemetry.jsonl``
+    (``column_file``), else from the rows."""
+    stored = stored_telemetry(run.dir / TELEMETRY)
+    if stored is not None:
+        try:
+            return Telemetry.from_columns(*stored, dedupe=True)
+        except Damaged:
+            pass
+    return dedupe_sources(run.iter_telemetry())
 
 
 def series(rows: Telemetry | list[dict[str, Any]], name: str, agg: str | None = None,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcap.analysis.summary import build_summary
-from kvcap.analysis.telemetry import dedupe_sources, series
+from kvcap.analysis.telemetry import read_telemetry, series
 from kvcap.report.charts import thin
 from kvcap.report.format import ARMS, is_finite
 from kvcap.rundir import RunDir
@@ -140,7 +140,7 @@ def run_telemetry(run: RunDir | None) -> tuple[Rows, Rows] | None:
     if run is None:
         return None
     try:
-        return dedupe_sources(run.iter_telemetry()), level_windows(run.levels())
+        return read_telemetry(run), level_windows(run.levels())
     except (OSError, ValueError):
         return None
 

@@ -22,11 +22,22 @@ from typing import Any
 import numpy as np
 
 from kvcap import __version__
+from kvcap.analysis.column_file import ColumnWriter, TelemetryWriter
 from kvcap.analysis.live_columns import LiveColumns
 from kvcap.analysis.slo import parse_slo
 from kvcap.analysis.summary import build_summary
 from kvcap.errors import InputError
-from kvcap.rundir import SUMMARY, Manifest, RequestRecord, RunDir, RunWriter, tpot_ms, write_json_atomic
+from kvcap.rundir import (
+    REQUESTS,
+    SUMMARY,
+    TELEMETRY,
+    Manifest,
+    RequestRecord,
+    RunDir,
+    RunWriter,
+    tpot_ms,
+    write_json_atomic,
+)
 from kvcap.sim.cluster import ClusterModel, cluster_model
 from kvcap.sim.policy_llamacpp import REQUESTED_OUT
 from kvcap.sim.request import SimRequest
@@ -177,7 +188,7 @@ class _LevelRun:
 
     def __init__(self, cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
                  writer: RunWriter, record_itl: bool, full_telemetry: bool = False,
-                 columns: LiveColumns | None = None):
+                 columns: LiveColumns | None = None, telemetry_copy: TelemetryWriter | None = None):
         self.plan, self.level, self.repeat, self.offset = plan, level, repeat, offset
         self.writer, self.record_itl, self.columns = writer, record_itl, columns
         self.mode = plan.mode
@@ -192,7 +203,8 @@ class _LevelRun:
         """Every request submitted and not yet finished, whatever its state (queued, running, parked, mid-copy)."""
         self.draining = False
         self.sim = cm.build(on_finish=self.on_finish)
-        self.sampler = Sampler(self.sim, offset, writer.telemetry, tuple(self.sim.tiers), thin=not full_telemetry)
+        self.sampler = Sampler(self.sim, offset, writer.telemetry, tuple(self.sim.tiers), thin=not full_telemetry,
+                               copy=telemetry_copy)
         wl = cm.scenario.workload
         self.lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, repeat))
         self.specs: list[tuple[float, int, int, Any]] = []
@@ -335,10 +347,12 @@ class _LevelRun:
 
 def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
                    writer: RunWriter, record_itl: bool = True, full_telemetry: bool = False,
-                   columns: LiveColumns | None = None) -> tuple[dict[str, Any], float]:
+                   columns: LiveColumns | None = None,
+                   telemetry_copy: TelemetryWriter | None = None) -> tuple[dict[str, Any], float]:
     """One level (one repeat) on a fresh cluster; returns its levels.jsonl line and its simulated length.
-    ``columns``: takes the records' columns as they are written, for the closing summary."""
-    run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl, full_telemetry, columns)
+    ``columns``: takes the records' columns as they are written, for the closing summary; ``telemetry_copy``:
+    the telemetry rows' column copy."""
+    run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl, full_telemetry, columns, telemetry_copy)
     if columns is not None:
         columns.open((run.mode, float(level)), repeat, round(offset + run.measure_start, 6))
     run.start_load()
@@ -364,13 +378,14 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
     offset = 0.0
     infos: list[dict[str, Any]] = []
     interrupted = False
-    columns = LiveColumns()
+    columns = LiveColumns(sink=ColumnWriter(cfg.out / REQUESTS))
+    telemetry_copy = TelemetryWriter(cfg.out / TELEMETRY)
     wall0 = time.perf_counter()
     try:
         for repeat in range(cfg.plan.first_repeat, cfg.plan.first_repeat + cfg.plan.repeats):
             for level in cfg.plan.levels:
                 info, length = simulate_level(cm, cfg.plan, level, repeat, offset, writer, cfg.record_itl,
-                                              cfg.full_telemetry, columns)
+                                              cfg.full_telemetry, columns, telemetry_copy)
                 infos.append(info)
                 if progress is not None:
                     progress(info)
@@ -379,6 +394,8 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
         interrupted = True
     finally:
         writer.close()
+        columns.close_file()
+        telemetry_copy.close()
     wall = time.perf_counter() - wall0
     summary = build_summary(RunDir(cfg.out), slo=cfg.slo, reader=columns.reader)
     simulated = sum(i["sim"]["simulated_s"] for i in infos)

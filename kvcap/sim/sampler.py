@@ -8,9 +8,11 @@ to what changed — is its own job, read by nothing else of the run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+from kvcap.analysis.column_file import TelemetryWriter
 from kvcap.analysis.telemetry import HOLD
 from kvcap.sim.engine import Simulation
 
@@ -29,8 +31,10 @@ class Sampler:
     values in that order, and a row (a dict) is built only for a value that is written."""
 
     def __init__(self, sim: Simulation, offset: float, emit: Callable[[list[dict[str, Any]]], None],
-                 tiers: tuple[str, ...], thin: bool = True):
+                 tiers: tuple[str, ...], thin: bool = True, copy: TelemetryWriter | None = None):
         self.sim, self.offset, self.emit, self.thin = sim, offset, emit, thin
+        self.copy = copy
+        """Where the rows also go as arrays (``telemetry.columns``), in the order they are emitted."""
         self._last: list[float] | None = None
         """The latest sample's values, series by series (thin)."""
         self._last_ts = 0.0
@@ -49,6 +53,7 @@ class Sampler:
         self.links = [link for link in sim.links.links if link.kind in used]
         self.series = self._series()
         """(name, labels) of every series, in the order :meth:`_values` gives their values."""
+        self._copy_ids = copy.ids([("sim", name, labels) for name, labels in self.series]) if copy else []
 
     def _series(self) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
@@ -106,6 +111,18 @@ class Sampler:
         name, labels = self.series[i]
         return {"t_s": ts, "source": "sim", "name": name, "labels": labels, "value": value}
 
+    def _emit(self, samples: list[tuple[float, int, float]], hold: float | None) -> None:
+        """Rows for (t_s, series, value) samples, each marked held ``hold`` seconds when given."""
+        if hold is None:
+            rows = [self._row(ts, i, v) for ts, i, v in samples]
+        else:
+            rows = [self._row(ts, i, v) | {HOLD: hold} for ts, i, v in samples]
+        self.rows += len(rows)
+        self.emit(rows)
+        if self.copy is not None and samples:
+            h, ids = math.nan if hold is None else hold, self._copy_ids
+            self.copy.add([(ids[i], ts, v, h) for ts, i, v in samples])
+
     def until(self, t: float) -> None:
         while self.next_t <= t:
             self.sample(self.next_t)
@@ -115,20 +132,17 @@ class Sampler:
         ts = round(self.offset + t, 6)
         values = self._values(t)
         if not self.thin:
-            rows = [self._row(ts, i, v) for i, v in enumerate(values)]
-        else:  # the previous sample's changed rows (now known to hold); this sample's are kept pending
-            prev = self._last
-            rows = [self._row(pts, i, v) | {HOLD: SAMPLE_S} for pts, i, v in self._pending]
-            self._pending = ([(ts, i, v) for i, v in enumerate(values)] if prev is None else
-                             [(ts, i, v) for i, (v, p) in enumerate(zip(values, prev)) if p != v])
-            self._last, self._last_ts = values, ts
-        self.rows += len(rows)
-        self.emit(rows)
+            self._emit([(ts, i, v) for i, v in enumerate(values)], None)
+            return
+        # the previous sample's changed rows (now known to hold); this sample's are kept pending
+        prev, pending = self._last, self._pending
+        self._pending = ([(ts, i, v) for i, v in enumerate(values)] if prev is None else
+                         [(ts, i, v) for i, (v, p) in enumerate(zip(values, prev)) if p != v])
+        self._last, self._last_ts = values, ts
+        self._emit(pending, SAMPLE_S)
 
     def finish(self) -> None:
         """The level's last sample of every series, not held (thin; the full grid has written it already)."""
         if self.thin and self._last is not None:
-            rows = [self._row(self._last_ts, i, v) for i, v in enumerate(self._last)]
             self._pending = []
-            self.rows += len(rows)
-            self.emit(rows)
+            self._emit([(self._last_ts, i, v) for i, v in enumerate(self._last)], None)

@@ -1,0 +1,248 @@
+"""Binary column copies of a run's two big JSONL files, written beside them by ``kvcap sim``, read by the analysis
+in their place while they still match.
+
+Why: a million simulated requests are ~1.9 GB of ``requests.jsonl`` (per-token ITLs) and ~260 MB of
+``telemetry.jsonl``, ~20 s to parse, while the analysis needs a dozen numbers per record, the ITLs and each
+series' samples. The simulator has them as arrays as it writes (``LiveColumns``, the sampler), so it appends them
+to ``requests.columns`` and ``telemetry.columns`` too, and the analysis reads those in a fraction of the time.
+The JSONL files stay the record and the contract: a copy is trusted only while its JSONL is the very file it was
+written beside — same size, modification time and digests of its first and last MiB, kept in the copy's index
+(``<name>.columns.json``, written last). A killed run (no index), an edited or appended JSONL, or a copy that did
+not keep the times is read from its JSONL, as before, with the same figures (tests compare every summary key).
+
+Layout: one ``.npy`` array after another (``numpy.save`` on one open file), a fixed list of arrays per chunk.
+Request ITLs on the 1 µs grid both writers round to are stored as µs in the smallest unsigned integer type that
+holds the chunk's (a quarter or half of float64's bytes; read back as the same floats), else as float64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from kvcap.rundir import write_json_atomic
+
+FORMAT = 1
+SUFFIX, INDEX_SUFFIX = ".columns", ".columns.json"
+"""``requests.jsonl`` → ``requests.columns`` and its index ``requests.columns.json`` (likewise ``telemetry``)."""
+FIELDS = ("start", "ttft", "tpot", "e2e", "end", "out_tokens", "in_tokens", "queue", "send_delay", "repeat", "ok",
+          "truncated", "phase", "error", "cancelled", "key", "itl_len", "itl")
+"""A chunk of request records' columns, as ``columns._extract`` makes them, in the order they are stored."""
+_STORED = {"repeat": np.int32, "key": np.int32, "itl_len": np.int32}
+"""Integer request columns stored narrower than they are used (read back as int64)."""
+TELEMETRY_FIELDS = ("series", "t", "value", "hold")
+"""A chunk of telemetry rows: series id (in the index's ``series`` list), ``t_s``, ``value``, ``hold_s`` (NaN:
+none)."""
+_EDGE_BYTES = 1 << 20
+
+
+class Damaged(ValueError):
+    """A column file does not hold what its index says (the caller reads the JSONL instead)."""
+
+
+def copy_paths(jsonl: Path) -> tuple[Path, Path]:
+    """The column copy of ``jsonl`` and its index."""
+    stem = jsonl.name.removesuffix(".jsonl")
+    return jsonl.with_name(stem + SUFFIX), jsonl.with_name(stem + INDEX_SUFFIX)
+
+
+def fingerprint(jsonl: Path) -> dict[str, Any]:
+    """What identifies a JSONL file as the one the columns were taken from, cheaply (not a full hash)."""
+    st = jsonl.stat()
+    with open(jsonl, "rb") as f:
+        head = f.read(_EDGE_BYTES)
+        f.seek(max(st.st_size - _EDGE_BYTES, 0))
+        tail = f.read(_EDGE_BYTES)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "head_sha256": hashlib.sha256(head).hexdigest(),
+            "tail_sha256": hashlib.sha256(tail).hexdigest()}
+
+
+class _Writer:
+    """Appends chunks of arrays beside ``jsonl``; the index, which makes the copy count, at ``close`` (after the
+    JSONL itself is closed)."""
+
+    def __init__(self, jsonl: Path):
+        self.jsonl = jsonl
+        self.path, self.index_path = copy_paths(jsonl)
+        self.index_path.unlink(missing_ok=True)
+        self.f: IO[bytes] | None = open(self.path, "wb", buffering=1 << 20)  # noqa: SIM115 - appended to
+        self.rows = self.chunks = 0
+
+    def _append(self, arrays: Sequence[np.ndarray]) -> None:
+        if self.f is None:
+            return
+        for a in arrays:
+            np.save(self.f, a, allow_pickle=False)
+        self.rows += int(arrays[0].size)
+        self.chunks += 1
+
+    def _close(self, index: dict[str, Any]) -> None:
+        if self.f is None:
+            return
+        self.f.close()
+        self.f = None
+        if self.jsonl.exists():
+            write_json_atomic(self.index_path, {"format": FORMAT, "rows": self.rows, "chunks": self.chunks,
+                                                "bytes": self.path.stat().st_size, **index,
+                                                "jsonl": fingerprint(self.jsonl)})
+
+
+def _matching(jsonl: Path) -> dict[str, Any] | None:
+    """The index of ``jsonl``'s column copy if it is whole and was written against this very file, else None."""
+    path, index_path = copy_paths(jsonl)
+    try:
+        index = json.loads(index_path.read_text())
+        if index.get("format") != FORMAT or os.path.getsize(path) != index["bytes"]:
+            return None
+        return index if index["jsonl"] == fingerprint(jsonl) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _chunks(jsonl: Path, index: dict[str, Any], fields: Sequence[str]) -> Iterator[dict[str, np.ndarray]]:
+    """Each stored chunk's arrays by name, each of one length but the last (``Damaged`` if the file falls short)."""
+    path = copy_paths(jsonl)[0]
+    rows = 0
+    with open(path, "rb") as f:
+        for _ in range(int(index["chunks"])):
+            try:
+                arrays = {name: np.load(f, allow_pickle=False) for name in fields}
+            except (ValueError, OSError, EOFError) as exc:
+                raise Damaged(f"{path}: {exc}") from exc
+            n = arrays[fields[0]].size
+            if any(arrays[name].shape != (n,) for name in fields[:-1]):
+                raise Damaged(f"{path}: a chunk's arrays disagree")
+            rows += n
+            yield arrays
+        if rows != index["rows"] or f.read(1):
+            raise Damaged(f"{path}: {rows} rows, the index says {index['rows']}")
+
+
+# ---------------------------------------------------------------- request records
+
+def _itl_stored(itl: np.ndarray) -> np.ndarray:
+    """ITLs (ms) as µs integers when every one is on the 1 µs grid and that gives back the same floats, else as
+    they are."""
+    if itl.size == 0 or not np.isfinite(itl).all() or itl.min() < 0 or itl.max() >= 2**32 / 1e3:
+        return itl.astype(np.float64, copy=False)
+    us = np.rint(itl * 1e3)
+    if not np.array_equal(us / 1e3, itl):
+        return itl.astype(np.float64, copy=False)
+    return us.astype(np.uint16 if us.max() < 2**16 else np.uint32)
+
+
+class ColumnWriter(_Writer):
+    """``requests.columns``: each chunk of records' columns (``_extract``'s) as the run writes them."""
+
+    def append(self, cols: dict[str, np.ndarray]) -> None:
+        self._append([_itl_stored(cols[name]) if name == "itl" else
+                      cols[name].astype(_STORED[name]) if name in _STORED else cols[name] for name in FIELDS])
+
+    def close(self, keys: list[tuple[str, float]], errors: list[str]) -> None:
+        """``keys``: the (mode, level) of each level code, in code order; ``errors``: the error names likewise."""
+        self._close({"keys": [[mode, level] for mode, level in keys], "errors": errors})
+
+
+class StoredColumns:
+    """A request column copy whose index matches ``requests.jsonl``: its level keys, error names and chunks."""
+
+    def __init__(self, jsonl: Path, index: dict[str, Any]):
+        self.jsonl, self.index = jsonl, index
+        self.keys = [(str(mode), float(level)) for mode, level in index["keys"]]
+        self.errors = [str(e) for e in index["errors"]]
+
+    def chunks(self) -> Iterator[dict[str, np.ndarray]]:
+        """Each chunk's columns with the dtypes ``_extract`` gives (plus ``itl_us``: the ITLs as stored, when in µs);
+        ``Damaged`` if the file falls short."""
+        for cols in _chunks(self.jsonl, self.index, FIELDS):
+            n = cols["start"].size
+            lens = cols["itl_len"].astype(np.int64)
+            if cols["itl"].size != int(lens.sum()) or (n and (cols["key"].max() >= len(self.keys)
+                                                             or cols["error"].max() >= len(self.errors))):
+                raise Damaged(f"{self.jsonl}: a chunk's columns disagree with its index")
+            for name in _STORED:
+                cols[name] = cols[name].astype(np.int64)
+            itl = cols["itl"]
+            if itl.dtype.kind == "u":
+                cols["itl"], cols["itl_us"] = itl / 1e3, itl
+            yield cols
+
+
+def stored_columns(jsonl: Path) -> StoredColumns | None:
+    """The request column copy beside ``jsonl`` if it matches this very file, else None."""
+    index = _matching(jsonl)
+    try:
+        return StoredColumns(jsonl, index) if index is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- telemetry rows
+
+Series = tuple[str, str, dict[str, Any]]
+"""(source, name, labels) of one telemetry series."""
+
+
+class TelemetryWriter(_Writer):
+    """``telemetry.columns``: rows as (series, t_s, value, hold_s) arrays, series listed once in the index."""
+
+    def __init__(self, jsonl: Path, chunk: int = 1 << 16):
+        super().__init__(jsonl)
+        self.series: list[Series] = []
+        self._ids: dict[str, int] = {}
+        self.chunk = chunk
+        self._rows: list[tuple[int, float, float, float]] = []
+
+    def ids(self, series: Sequence[Series]) -> list[int]:
+        """Each series' id in this copy (a series seen before, by source, name and labels, keeps its id)."""
+        out = []
+        for s in series:
+            key = json.dumps([s[0], s[1], sorted(s[2].items())])
+            if key not in self._ids:
+                self._ids[key] = len(self.series)
+                self.series.append(s)
+            out.append(self._ids[key])
+        return out
+
+    def add(self, rows: list[tuple[int, float, float, float]]) -> None:
+        """Rows as (series id, t_s, value, hold_s or NaN), in the order they are written to the JSONL."""
+        self._rows += rows
+        if len(self._rows) >= self.chunk:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._rows:
+            table = np.array(self._rows, dtype=float).reshape(-1, 4)
+            self._rows = []
+            self._append([table[:, 0].astype(np.int32), *(np.ascontiguousarray(table[:, k]) for k in (1, 2, 3))])
+
+    def close(self) -> None:
+        self.flush()
+        self._close({"series": [[src, name, labels] for src, name, labels in self.series]})
+
+
+def stored_telemetry(jsonl: Path) -> tuple[list[Series], Iterator[dict[str, np.ndarray]]] | None:
+    """The telemetry column copy beside ``jsonl`` if it matches this very file: its series and its chunks (each
+    row's series an index into them; ``Damaged`` from the chunks if the file falls short)."""
+    index = _matching(jsonl)
+    if index is None:
+        return None
+    try:
+        series = [(str(src), str(name), dict(labels)) for src, name, labels in index["series"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+    def chunks() -> Iterator[dict[str, np.ndarray]]:
+        for arrays in _chunks(jsonl, index, TELEMETRY_FIELDS):
+            ids = arrays["series"]
+            if ids.size and (ids.min() < 0 or ids.max() >= len(series)):
+                raise Damaged(f"{jsonl}: a row's series is not in the index")
+            yield arrays
+
+    return series, chunks()

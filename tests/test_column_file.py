@@ -1,0 +1,197 @@
+"""``requests.columns`` (issue 14): ``kvcap sim`` writes the analysed fields of its records as binary columns beside
+``requests.jsonl``; the analysis reads them instead of parsing the JSONL only while they were taken from that very
+file. The summary must be the JSONL's on every key, the column file must really be the one read, and any change to
+the JSONL (an appended record, an edit in place, a truncated column file) must send the analysis back to the JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcap.analysis import column_file, columns, telemetry
+from kvcap.analysis.column_file import _itl_stored, stored_columns
+from kvcap.analysis.summary import build_summary
+from kvcap.rundir import COLUMN_COPIES, REQUESTS, TELEMETRY, RunDir, RunWriter
+
+from .conftest import run_cli
+from .test_live_columns import CASES, SCENARIO
+
+COLUMNS, COLUMNS_INDEX = column_file.copy_paths(Path(REQUESTS))
+_, TEL_INDEX = column_file.copy_paths(Path(TELEMETRY))
+
+
+def _summary(out: Path) -> str:
+    run = RunDir(out)
+    return json.dumps(build_summary(run, slo=run.manifest.get("slo") or {}), sort_keys=True)
+
+
+def _jsonl_summary(out: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The summary from the JSONL files alone (both copies ignored)."""
+    with monkeypatch.context() as m:
+        m.setattr(columns, "stored_columns", lambda path: None)
+        m.setattr(telemetry, "stored_telemetry", lambda path: None)
+        return _summary(out)
+
+
+def _sim(out: Path, *args: str) -> None:
+    p = run_cli("sim", SCENARIO, *args, "--out", str(out), "--quiet")
+    assert p.returncode == 0, p.stderr
+
+
+def _reads_columns(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """Counts the rows read from each column copy (so a test knows which path the analysis took)."""
+    read: dict[str, list[int]] = {"requests": [], "telemetry": []}
+    original = column_file._chunks
+
+    def counted(jsonl: Path, index: dict[str, Any], fields: Any) -> Any:
+        for arrays in original(jsonl, index, fields):
+            read[jsonl.stem].append(int(arrays[fields[0]].size))
+            yield arrays
+
+    monkeypatch.setattr(column_file, "_chunks", counted)
+    return read
+
+
+def _lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_column_file_gives_the_jsonls_summary_on_every_key(case: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    _sim(out, *CASES[case])
+    for jsonl in (REQUESTS, TELEMETRY):
+        index = json.loads((out / column_file.copy_paths(Path(jsonl))[1]).read_text())
+        assert index["rows"] == _lines(out / jsonl) > 0
+    read = _reads_columns(monkeypatch)
+    from_columns = _summary(out)
+    assert sum(read["requests"]) == _lines(out / REQUESTS), "requests.jsonl was parsed, not its columns read"
+    assert sum(read["telemetry"]) == _lines(out / TELEMETRY), "telemetry.jsonl was parsed, not its columns read"
+    assert from_columns == _jsonl_summary(out, monkeypatch)
+
+
+def test_a_copy_that_keeps_the_times_keeps_the_columns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4,8", "--requests", "80", "--warmup", "0s", "--repeats", "1")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)  # copy2: times kept
+    assert stored_columns(copy / REQUESTS) is not None
+    read = _reads_columns(monkeypatch)
+    assert _summary(copy) == _summary(out)
+    assert read["requests"] and read["telemetry"]
+
+
+def test_an_appended_record_sends_the_analysis_back_to_the_jsonl(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One failed request appended by hand: the columns no longer match, the summary counts it."""
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4", "--requests", "60", "--warmup", "0s", "--repeats", "1")
+    before = json.loads(_summary(out))["levels"][0]
+    line = json.loads((out / REQUESTS).read_text().splitlines()[-1])
+    line.update(ok=False, error="http_5xx", itl_ms=[], output_tokens=0, ttft_ms=None, tpot_ms=None)
+    with open(out / REQUESTS, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    assert stored_columns(out / REQUESTS) is None
+    read = _reads_columns(monkeypatch)
+    after = json.loads(_summary(out))["levels"][0]
+    assert not read["requests"] and read["telemetry"]
+    assert (after["requests"], after["errors"]) == (before["requests"] + 1, before["errors"] + 1)
+
+
+def test_an_edit_in_place_of_the_same_size_is_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value rewritten with as many characters (``sed -i``): the size is the same, the time and the digest not."""
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4", "--requests", "60", "--warmup", "0s", "--repeats", "1")
+    path = out / REQUESTS
+    text = path.read_bytes()
+    st = path.stat()
+    edited = text.replace(b'"ok":true', b'"ok":null', 1)
+    assert len(edited) == len(text) and edited != text
+    path.write_bytes(edited)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with its old time: the first MiB's digest differs
+    assert stored_columns(path) is None
+    read = _reads_columns(monkeypatch)
+    level = json.loads(_summary(out))["levels"][0]
+    assert not read["requests"] and level["ok"] == level["requests"] - 1
+
+
+def test_a_damaged_column_file_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4,16", "--requests", "100", "--warmup", "0s", "--repeats", "1")
+    truth = _jsonl_summary(out, monkeypatch)
+    whole = (out / COLUMNS).read_bytes()
+    (out / COLUMNS).write_bytes(whole[: len(whole) // 2])  # shorter than its index says
+    assert stored_columns(out / REQUESTS) is None
+    assert _summary(out) == truth
+    index = json.loads((out / COLUMNS_INDEX).read_text())
+    index["bytes"] = len(whole) // 2  # an index that agrees with the cut file: the read itself finds it short
+    (out / COLUMNS_INDEX).write_text(json.dumps(index))
+    assert stored_columns(out / REQUESTS) is not None
+    assert _summary(out) == truth
+    (out / COLUMNS_INDEX).unlink()  # a killed run: no index
+    assert stored_columns(out / REQUESTS) is None
+    assert _summary(out) == truth
+
+
+def test_a_telemetry_row_added_by_hand_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running count appended to ``telemetry.jsonl`` past anything the run held: its copy no longer matches, and
+    the resident capacity read from the rows is that count."""
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4", "--requests", "60", "--warmup", "0s", "--repeats", "1")
+    level = json.loads((out / "levels.jsonl").read_text().splitlines()[0])
+    row = {"t_s": round((level["measure_start_s"] + level["measure_end_s"]) / 2, 3), "source": "sim",
+           "name": "server.requests_running", "labels": {"replica": "r0", "node": "n0"}, "value": 77}
+    with open(out / TELEMETRY, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    assert telemetry.stored_telemetry(out / TELEMETRY) is None
+    read = _reads_columns(monkeypatch)
+    summary = json.loads(_summary(out))
+    assert read["requests"] and not read["telemetry"]
+    assert summary == json.loads(_jsonl_summary(out, monkeypatch))
+    assert summary["capacity"]["resident"] >= 77
+
+
+def test_a_damaged_telemetry_copy_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    _sim(out, "--set", "serving.kv_offload=remote", "--concurrency", "8,32", "--requests", "100", "--warmup", "0s",
+         "--repeats", "1")
+    truth = _jsonl_summary(out, monkeypatch)
+    index = json.loads((out / TEL_INDEX).read_text())
+    index["series"] = index["series"][:3]  # rows whose series is not listed
+    (out / TEL_INDEX).write_text(json.dumps(index))
+    assert _summary(out) == truth
+    (out / TEL_INDEX).unlink()
+    assert telemetry.stored_telemetry(out / TELEMETRY) is None
+    assert _summary(out) == truth
+
+
+@pytest.mark.parametrize("how", ["overwrite", "append"])
+def test_a_writer_opening_the_directory_again_drops_the_old_copies(how: str, tmp_path: Path) -> None:
+    """``bench --overwrite`` / ``--append`` over a ``sim`` run: the files change, so their copies go."""
+    assert {p.name for jsonl in (REQUESTS, TELEMETRY) for p in column_file.copy_paths(Path(jsonl))} == set(
+        COLUMN_COPIES)
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4", "--requests", "40", "--warmup", "0s", "--repeats", "1")
+    assert all((out / name).exists() for name in COLUMN_COPIES)
+    RunWriter(out, **{how: True}).close()
+    assert not any((out / name).exists() for name in COLUMN_COPIES)
+    assert (out / REQUESTS).exists() == (how == "append")
+
+
+def test_itls_are_stored_in_the_fewest_bytes_that_give_back_the_same_floats() -> None:
+    on_grid = np.array([0.001, 21.5, 65.535, 0.0])
+    assert _itl_stored(on_grid).dtype == np.uint16
+    assert np.array_equal(_itl_stored(on_grid) / 1e3, on_grid)
+    wide = np.array([65.536, 3_600_000.0])
+    assert _itl_stored(wide).dtype == np.uint32 and np.array_equal(_itl_stored(wide) / 1e3, wide)
+    for off in (np.array([0.0005, 1.0]), np.array([-0.001]), np.array([np.nan]), np.array([5e6])):
+        stored = _itl_stored(off)
+        assert stored.dtype == np.float64 and np.array_equal(stored, off, equal_nan=True)
