@@ -167,6 +167,7 @@ class LevelArrays:
         self.first = self.start + self.ttft / 1e3
         self.itl_ok = b.itl_ok
         self._win_tokens = b.win_tokens
+        self._request_tokens: dict[Window, np.ndarray] = {}
         self._itl = b.itl_kept()
 
     def meets(self, slo: dict[str, float] | None) -> np.ndarray:
@@ -188,11 +189,13 @@ class LevelArrays:
             self._win_tokens[(t0, t1)] = _count_tokens(self.first, flat, lens, [(t0, t1)])[0]
         return self._win_tokens[(t0, t1)]
 
-    def tokens_in_window(self, t0: float, t1: float, mask: np.ndarray) -> int:
-        """Output tokens (of the masked requests) that arrived within [t0, t1)."""
-        total = int(self.window_tokens(t0, t1)[mask].sum())
-        # requests without ITLs: N tokens spread evenly from first token to end (closed form, no arrays per token)
-        m = mask & ~np.isnan(self.first) & ~self.has_itl & (self.out_tokens > 0)
+    def request_tokens(self, t0: float, t1: float) -> np.ndarray:
+        """Per request: its output tokens that arrived within [t0, t1) — ITL-timed, or for a request without ITLs
+        its N tokens spread evenly from first token to end (closed form, no arrays per token). Cached per window."""
+        if (t0, t1) in self._request_tokens:
+            return self._request_tokens[(t0, t1)]
+        counts = self.window_tokens(t0, t1).astype(np.int64)
+        m = ~np.isnan(self.first) & ~self.has_itl & (self.out_tokens > 0)
         if m.any():
             first, n = self.first[m], self.out_tokens[m]
             last = np.where(np.isnan(self.e2e[m]), first, self.start[m] + self.e2e[m] / 1e3)
@@ -201,8 +204,13 @@ class LevelArrays:
                 k_lo = np.where(np.isinf(step), np.where(first >= t0, 0, n), np.ceil((t0 - first) / step))
                 k_hi = np.where(np.isinf(step), np.where(first < t1, 0, -1), np.ceil((t1 - first) / step) - 1)
             k_lo, k_hi = np.clip(k_lo, 0, n), np.clip(k_hi, -1, n - 1)  # k_lo = n: every token came before t0
-            total += int(np.maximum(k_hi - k_lo + 1, 0).sum())
-        return total
+            counts[m] = np.maximum(k_hi - k_lo + 1, 0).astype(np.int64)
+        self._request_tokens[(t0, t1)] = counts
+        return counts
+
+    def tokens_in_window(self, t0: float, t1: float, mask: np.ndarray) -> int:
+        """Output tokens (of the masked requests) that arrived within [t0, t1)."""
+        return int(self.request_tokens(t0, t1)[mask].sum())
 
     def own_windows(self) -> dict[int, Window]:
         """Per repeat, the span of its measured requests' starts: the window of a level without a level line."""
