@@ -101,8 +101,37 @@ sys.exit(main(sys.argv[1:]))
 and write the run directory) apart from the analysis."""
 
 
+def timed_analyze(out: Path) -> tuple[float, float, bytes]:
+    """``kvcap analyze OUT --json`` in a fresh process: wall s, peak RSS MiB (its own, from wait4), its output."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "kvcap", "analyze", str(out), "--json"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    text = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"kvcap analyze {out} failed ({status})")
+    return time.monotonic() - t0, usage.ru_maxrss / 1024, text
+
+
+def analyze_both_ways(out: Path) -> dict[str, Any]:
+    """``kvcap analyze`` on the run as written (its column copies read), then with the copies' indexes moved
+    away (the JSONL parsed): both timings, and whether the two summaries are the same."""
+    fast_s, fast_mb, fast = timed_analyze(out)
+    moved = list(out.glob("*.columns.json"))
+    for p in moved:
+        p.rename(p.with_suffix(".json.off"))
+    try:
+        slow_s, slow_mb, slow = timed_analyze(out)
+    finally:
+        for p in moved:
+            p.with_suffix(".json.off").rename(p)
+    return {"analyze_s": fast_s, "analyze_mb": fast_mb, "analyze_jsonl_s": slow_s, "analyze_jsonl_mb": slow_mb,
+            "analyze_same": fast == slow, "copies": len(moved)}
+
+
 def cli_case(requests: int, itl: bool, concurrency: int = 32, remote: bool = True,
-             stop_at_summary: bool = False) -> dict[str, Any]:
+             stop_at_summary: bool = False, analyze: bool = False) -> dict[str, Any]:
     """``kvcap sim`` end to end in a fresh process: its wall time, peak RSS (the child's own, from wait4), the same
     two at the moment the summary starts (the simulator's part), and run-directory size per file."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,18 +156,19 @@ def cli_case(requests: int, itl: bool, concurrency: int = 32, remote: bool = Tru
         probe = next(line.split() for line in err.splitlines() if line.startswith("probe "))
         sizes = {f.name: f.stat().st_size / 1e6 for f in out.iterdir()}
         levels = [__import__("json").loads(line) for line in (out / "levels.jsonl").read_text().splitlines()]
+        analysed = analyze_both_ways(out) if analyze and not stop_at_summary else {}
     engine = sum(lv["sim"]["wall_s"] for lv in levels)
     simulated = sum(lv["sim"]["simulated_s"] for lv in levels)
     return {"case": f"CLI c={concurrency}{' remote' if remote else ''}{'' if itl else ' --no-itl'}",
             "requests": requests, "wall_s": wall, "engine_s": engine, "rss_mb": usage.ru_maxrss / 1024,
             "to_summary_s": float(probe[1]) - t0, "rss_to_summary_mb": int(probe[2]) / 1024,
             "req_mb": sizes.get("requests.jsonl", 0.0), "tel_mb": sizes.get("telemetry.jsonl", 0.0),
-            "realtime": simulated / wall}
+            "realtime": simulated / wall, **analysed}
 
 
 def cli_table(sizes: list[int], itl_cases: tuple[bool, ...] = (True, False), stop_at_summary: bool = False,
-              concurrencies: tuple[int, ...] = (32,)) -> None:
-    rows = [cli_case(n, itl, concurrency=c, stop_at_summary=stop_at_summary)
+              concurrencies: tuple[int, ...] = (32,), analyze: bool = False) -> None:
+    rows = [cli_case(n, itl, concurrency=c, stop_at_summary=stop_at_summary, analyze=analyze)
             for n in sizes for c in concurrencies for itl in itl_cases]
     print(f"{'case':36} {'requests':>9} {'wall s':>7} {'engine s':>8} {'to sum s':>8} {'rest s':>7} "
           f"{'MiB@sum':>8} {'peak MiB':>9} {'req MB':>7} {'tel MB':>7} {'× real':>7}")
@@ -149,6 +179,15 @@ def cli_table(sizes: list[int], itl_cases: tuple[bool, ...] = (True, False), sto
     print("to sum s / MiB@sum: from the start to the summary (process start, simulate, write the run directory) and\n"
           "the peak RSS by then; rest s: the analysis (build_summary) and printing.")
     print("goal (issue 14): 100,000 requests, ITLs kept, c=32 remote: ≤ 10 s wall, ≤ 500 MB peak RSS; c=96 ≤ 15 s\n")
+    if analyze:
+        print(f"{'kvcap analyze on that run':36} {'requests':>9} {'copies s':>9} {'MiB':>6} {'JSONL s':>8} {'MiB':>6} "
+              f"{'same':>5}")
+        for r in rows:
+            if "analyze_s" in r:
+                print(f"{r['case']:36} {r['requests']:>9,} {r['analyze_s']:>9.2f} {r['analyze_mb']:>6.0f} "
+                      f"{r['analyze_jsonl_s']:>8.2f} {r['analyze_jsonl_mb']:>6.0f} {r['analyze_same']!s:>5}")
+        print("copies: sim's binary column copies read; JSONL: their indexes moved away, requests.jsonl and\n"
+              "telemetry.jsonl parsed. goal (issue 14): 1,000,000 records analysed in ≤ 5 s, ≤ 1.5 GB\n")
 
 
 def main() -> None:
@@ -165,11 +204,13 @@ def main() -> None:
                     help="end each whole-command run where the summary starts (the simulator's part only)")
     ap.add_argument("--cli-concurrency", default="32", help="users of the whole-command runs (comma-separated; "
                     "96 is the treatment's parking case)")
+    ap.add_argument("--cli-analyze", action="store_true",
+                    help="after each whole-command run, time `kvcap analyze` on it with and without its column copies")
     a = ap.parse_args()
     sizes = [int(x) for x in a.cli_sizes.split(",") if x.strip()]
     if sizes:
         cli_table(sizes, {"both": (True, False), "kept": (True,), "no-itl": (False,)}[a.cli_itl],
-                  a.cli_stop_at_summary, tuple(int(c) for c in a.cli_concurrency.split(",")))
+                  a.cli_stop_at_summary, tuple(int(c) for c in a.cli_concurrency.split(",")), a.cli_analyze)
     if a.cli_only:
         return
     rows = [
