@@ -158,3 +158,37 @@ def test_engine_invariants_across_models_and_settings(overrides):
     assert counts["errors"] == 0
     assert all(not r.running and not r.waiting and not r.parked and r.moving == 0 for r in sim.replicas)
     assert all(r.hbm.used == r.hbm.cached_blocks for r in sim.replicas)  # only cached prefix blocks may stay allocated
+
+
+def _kv_usage_each_second(max_span: int | None, at_sample_time: bool = True) -> list[list[float]]:
+    """A closed loop of 40 users (1,000 in, 200 out) on the reference cluster; each replica's KV usage every
+    simulated second, read as the sampler reads it (before the event that passes that second)."""
+    cm = cluster_model(scenario())
+    sim = cm.build(on_finish=lambda req, now: submit(now) if now < 120 else None)
+    sim.max_span = max_span
+    sent, samples, next_t = [0], [], [0.0]
+
+    def submit(t: float) -> None:
+        sent[0] += 1
+        sim.submit(SimRequest(rid=sent[0], arrival=t, prompt=1000, max_out=200, tags={}), t)
+
+    def on_time(t: float) -> None:
+        while next_t[0] <= t:
+            samples.append([r.kv_usage(next_t[0] if at_sample_time else None) for r in sim.replicas])
+            next_t[0] += 1.0
+
+    for _ in range(40):
+        submit(0.0)
+    sim.run_until(math.inf, on_time=on_time)
+    return samples
+
+
+def test_kv_usage_inside_a_decode_span_is_what_one_step_at_a_time_holds():
+    """A decode span takes the blocks of all its steps when planned; vLLM takes each step's when it is scheduled.
+    Sampled inside spans, the KV usage must be the one-event-per-step engine's, to the bit — and the blocks as
+    held (reservations counted) would not be."""
+    per_step = _kv_usage_each_second(1)
+    assert len(per_step) > 100 and max(max(s) for s in per_step) > 0.3
+    assert _kv_usage_each_second(None) == per_step
+    held = _kv_usage_each_second(None, at_sample_time=False)
+    assert max(max(a - b for a, b in zip(h, p)) for h, p in zip(held, per_step)) > 0.05

@@ -139,8 +139,21 @@ class Replica:
         """What the policy keeps per replica (llama.cpp: its slot table); None until it needs some."""
 
     # ------------------------------------------------------------------ what others read
-    def kv_usage(self) -> float:
-        return self.hbm.usage()
+    def kv_usage(self, t: float | None = None) -> float:
+        """Fraction of the pool held by requests at ``t``: a decode span takes its later steps' blocks when it is
+        planned, vLLM each step's when that step is scheduled, so blocks for steps not yet started at ``t`` are
+        not counted (``t`` None: as held, reservations included)."""
+        span = self.span
+        if t is None or span is None or span.ends.size < 2:
+            return self.hbm.usage()
+        steps = min(int(np.searchsorted(span.ends, t, side="right")) + 1, span.ends.size)  # started by t
+        hbm, reserved = self.hbm, span.reserved
+        ahead = 0
+        for req in span.decoders:
+            held = reserved.get(req.rid, 0)
+            if held > 0:
+                ahead += min(max(-hbm.private_need(req, req.kv + steps), 0), held)
+        return (hbm.used - hbm.cached_blocks - ahead) / hbm.capacity
 
     def load(self) -> int:
         return len(self.running) + len(self.waiting) + len(self.parked) + self.moving

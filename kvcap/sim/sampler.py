@@ -86,7 +86,7 @@ class Sampler:
             add(len(rep.waiting))
             if tiers:
                 add(len(rep.parked) + rep.moving)
-            add(round(rep.kv_usage(), 5))
+            add(round(rep.kv_usage(t), 5))
             add(rep.preemptions)
             add(rep.prompt_tokens)
             add(rep.generation_tokens)
