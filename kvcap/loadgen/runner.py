@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -234,26 +234,28 @@ class Runner:
                 await asyncio.gather(*pending, return_exceptions=True)
 
     # ---------------------------------------------------------------- open loop and trace
-    def _schedule(self, level: float, repeat: int) -> tuple[list[float], list[Callable[[], RequestSpec]]]:
+    def _schedule(self, level: float, repeat: int) -> tuple[Sequence[float], Callable[[int], RequestSpec]]:
+        """The send offsets of the level's requests, and how to build request k when it is sent (not before:
+        a long level holds its schedule, not a request object per entry)."""
         p = self.plan
         if p.mode == "trace":
             rows, offsets = trace_schedule(p)
-            makers = [(lambda k=k, r=r: self.factory.trace_request(k, r.input_tokens, r.output_tokens, r.hash_ids,
-                                                                    level=level, repeat=repeat))
-                      for k, r in enumerate(rows)]
-            return offsets, makers
-        offsets = rate_schedule(p, level, repeat)
-        makers = [(lambda k=k: self.factory.request(k, level=level, repeat=repeat)) for k in range(len(offsets))]
-        return offsets, makers
+
+            def trace_request(k: int) -> RequestSpec:
+                r = rows[k]
+                return self.factory.trace_request(k, r.input_tokens, r.output_tokens, r.hash_ids, level=level,
+                                                  repeat=repeat)
+            return offsets, trace_request
+        return rate_schedule(p, level, repeat), lambda k: self.factory.request(k, level=level, repeat=repeat)
 
     async def _open(self, session: aiohttp.ClientSession, level: float, repeat: int, t_start: float) -> dict:
         p = self.plan
-        offsets, makers = self._schedule(level, repeat)
+        offsets, make = self._schedule(level, repeat)
         lead = 0.02
         t0 = t_start + lead
         measure_start = t0 + p.warmup_s
         sem = asyncio.Semaphore(p.max_inflight)
-        tasks: list[asyncio.Task] = []
+        inflight: set[asyncio.Task] = set()  # finished ones leave it: memory follows the requests in flight
         tags_base = {"mode": p.mode, "level": level, "repeat": repeat, "worker": self.worker}
         sent_measured = 0
         late = 0
@@ -291,7 +293,9 @@ class Runner:
                 sent_measured += 1
                 first_measured = sched if first_measured is None else first_measured
                 last_measured = sched
-            tasks.append(asyncio.create_task(one(makers[k](), sched, phase)))
+            task = asyncio.create_task(one(make(k), sched, phase))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
         if p.duration_s is not None and p.mode == "rate":
             measure_end = measure_start + p.duration_s
         elif last_measured is not None:
@@ -300,7 +304,7 @@ class Runner:
             measure_end = self.clock()
         if halted_at is not None:  # the measured window ends where the sends did (empty if still warming up)
             measure_end = max(min(measure_end, halted_at), measure_start)
-        await self._drain(tasks, until=max(measure_end, self.clock()))
+        await self._drain(list(inflight), until=max(measure_end, self.clock()))
         window = max(measure_end - measure_start, 1e-9)
         info = {"target": level, "measure_start_s": round(measure_start, 6), "measure_end_s": round(measure_end, 6),
                 "sent_measured": sent_measured, "late_sends": late,
