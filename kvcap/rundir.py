@@ -191,7 +191,7 @@ class RunWriter:
         for name in COLUMN_COPIES:  # a copy of files about to change (an append too) is stale
             (self.dir / name).unlink(missing_ok=True)
         self._files: dict[str, IO[bytes]] = {}
-        self.records = 0
+        self.records = self.telemetry_rows = 0
         self.flush_s = flush_s
         self._flushed = time.monotonic()
 
@@ -238,6 +238,7 @@ class RunWriter:
             return
         f = self._file(TELEMETRY)
         f.write(b"".join(map(_line, rows)))
+        self.telemetry_rows += len(rows)
         self._flush(f)
 
     def flush(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis.columns import ItlValues, columns_of, read_columns
+from kvcap.analysis.columns import ItlValues, LevelArrays, columns_of, read_columns
 from kvcap.analysis.quantiles import percentiles
 from kvcap.analysis.stats import tokens_in_window
 from kvcap.analysis.summary import build_summary
@@ -207,3 +207,25 @@ def test_a_line_holding_two_values_is_skipped_by_both_readers(tmp_path):
     path.write_bytes(b'{"a": 1}\n{"b": 2},{"c": 3}\n{"d": 4}\n{"e": 5')
     assert read_jsonl(path) == [{"a": 1}, {"d": 4}]
     assert [r for chunk in jsonl_chunks(path, size=7) for r in chunk] == [{"a": 1}, {"d": 4}]
+
+
+def test_a_request_without_an_end_has_all_its_tokens_at_its_first():
+    """No ITLs, several tokens, no e2e (a cancelled record): every token at the first token's time, as the
+    per-record definition has it — also when that time is a window's edge (it once gave NaN → INT64_MIN)."""
+    rec = {"mode": "concurrency", "level": 1, "repeat": 0, "phase": "measure", "start_s": 10.0, "ok": False,
+           "error": "cancelled", "input_tokens": 8, "output_tokens": 5, "ttft_ms": 500.0, "tpot_ms": None,
+           "e2e_ms": None, "queue_ms": None, "truncated": False}
+    arrays = LevelArrays([rec], {})
+    for t0, t1 in ((10.5, 20.0), (0.0, 10.5), (10.0, 11.0), (11.0, 12.0)):
+        assert arrays.request_tokens(t0, t1).tolist() == [tokens_in_window(rec, t0, t1)]
+
+
+def test_itl_percentiles_when_the_last_values_leave_the_grid():
+    """Counted on the µs grid, then a value off it: every value is kept as a float again (it once divided by
+    zero)."""
+    store = ItlValues(exact_max=4)
+    store.add(np.array([1.0, 2.0, 3.0, 4.0, 5.0]))
+    store.add(np.array([1.0005]))
+    values = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 1.0005])
+    got = store.percentiles()
+    assert got["p50"] == float(np.percentile(values, 50)) and got["p99"] == float(np.percentile(values, 99))

@@ -50,9 +50,9 @@ def _reads_columns(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     read: dict[str, list[int]] = {"requests": [], "telemetry": []}
     original = column_file._chunks
 
-    def counted(jsonl: Path, index: dict[str, Any], fields: Any) -> Any:
-        for arrays in original(jsonl, index, fields):
-            read[jsonl.stem].append(int(arrays[fields[0]].size))
+    def counted(jsonl: Path, index: dict[str, Any], fields: Any, own_length: tuple[str, ...] = ()) -> Any:
+        for arrays in original(jsonl, index, fields, own_length):
+            read[jsonl.stem].append(int(next(iter(arrays.values())).size))
             yield arrays
 
     monkeypatch.setattr(column_file, "_chunks", counted)
@@ -195,3 +195,46 @@ def test_itls_are_stored_in_the_fewest_bytes_that_give_back_the_same_floats() ->
     for off in (np.array([0.0005, 1.0]), np.array([-0.001]), np.array([np.nan]), np.array([5e6])):
         stored = _itl_stored(off)
         assert stored.dtype == np.float64 and np.array_equal(stored, off, equal_nan=True)
+
+
+def test_an_interrupt_between_the_jsonl_and_its_copy_leaves_no_copy_trusted(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a chunk of records is being taken into columns: the JSONL has records the copy never got.
+    The copy gets no index (so it is not read), and the run's own summary counts every record of the file."""
+    from kvcap.analysis import live_columns
+    from kvcap.cli import main
+
+    calls = [0]
+    extract = live_columns._extract
+
+    def interrupted(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return extract(*args)
+
+    monkeypatch.setattr(live_columns, "_extract", interrupted)
+    out = tmp_path / "run"
+    main(["sim", SCENARIO, "--concurrency", "4,16", "--requests", "300", "--warmup", "0s", "--repeats", "1",
+          "--out", str(out), "--quiet"])
+    monkeypatch.setattr(live_columns, "_extract", extract)
+    assert not (out / COLUMNS_INDEX).exists() and not (out / COLUMNS).exists()
+    written = json.loads((out / "summary.json").read_text())
+    assert sum(lv["requests"] for lv in written["levels"]) == _lines(out / REQUESTS) == 600
+
+
+def test_a_changed_byte_in_the_copys_data_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte of the copy's data flipped, its size and index untouched: the checksum sends the analysis back to
+    the JSONL, whose figures it gives."""
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4,16", "--requests", "100", "--warmup", "0s", "--repeats", "1")
+    truth = _jsonl_summary(out, monkeypatch)
+    for name in (COLUMNS, column_file.copy_paths(Path(TELEMETRY))[0]):
+        whole = bytearray((out / name).read_bytes())
+        keep = bytes(whole)
+        whole[len(whole) * 2 // 3] ^= 0x40  # inside some array's data (headers are ~128 bytes of ~10⁵)
+        (out / name).write_bytes(bytes(whole))
+        read = _reads_columns(monkeypatch)
+        assert _summary(out) == truth
+        assert read["requests" if name == COLUMNS else "telemetry"], "the copy was not even read"
+        (out / name).write_bytes(keep)

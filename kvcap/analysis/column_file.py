@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -31,12 +32,15 @@ from kvcap.rundir import write_json_atomic
 FORMAT = 1
 SUFFIX, INDEX_SUFFIX = ".columns", ".columns.json"
 """``requests.jsonl`` → ``requests.columns`` and its index ``requests.columns.json`` (likewise ``telemetry``)."""
-FIELDS = ("start", "ttft", "tpot", "e2e", "end", "out_tokens", "in_tokens", "queue", "send_delay", "repeat", "ok",
-          "truncated", "phase", "error", "cancelled", "key", "itl_len", "itl")
-"""A chunk of request records' columns, as ``columns._extract`` makes them, in the order they are stored."""
+FIELDS = {**dict.fromkeys(("start", "ttft", "tpot", "e2e", "end", "out_tokens", "in_tokens", "queue", "send_delay"),
+                          "f"),
+          "repeat": "i", "ok": "b", "truncated": "b", "phase": "i", "error": "i", "cancelled": "b", "key": "i",
+          "itl_len": "i", "itl": "fu"}
+"""A chunk of request records' columns, as ``columns._extract`` makes them, in the order they are stored, with the
+dtype kinds each may have (``itl`` alone has its own length)."""
 _STORED = {"repeat": np.int32, "key": np.int32, "itl_len": np.int32}
 """Integer request columns stored narrower than they are used (read back as int64)."""
-TELEMETRY_FIELDS = ("series", "t", "value", "hold")
+TELEMETRY_FIELDS = {"series": "i", "t": "f", "value": "f", "hold": "f"}
 """A chunk of telemetry rows: series id (in the index's ``series`` list), ``t_s``, ``value``, ``hold_s`` (NaN:
 none)."""
 _EDGE_BYTES = 1 << 20
@@ -73,24 +77,32 @@ class _Writer:
         self.index_path.unlink(missing_ok=True)
         self.f: IO[bytes] | None = open(self.path, "wb", buffering=1 << 20)  # noqa: SIM115 - appended to
         self.rows = self.chunks = 0
+        self.crc = 0
+        """CRC-32 of every array's data, in order (the reader checks the copy's bytes against it)."""
 
     def _append(self, arrays: Sequence[np.ndarray]) -> None:
         if self.f is None:
             return
         for a in arrays:
+            a = np.ascontiguousarray(a)
             np.save(self.f, a, allow_pickle=False)
+            self.crc = zlib.crc32(memoryview(a).cast("B"), self.crc)
         self.rows += int(arrays[0].size)
         self.chunks += 1
 
-    def _close(self, index: dict[str, Any]) -> None:
+    def _close(self, index: dict[str, Any], expected_rows: int) -> None:
+        """The index, only if the copy holds the ``expected_rows`` the JSONL got (an interrupted run may have
+        written rows to one and not yet to the other: then the copy is deleted)."""
         if self.f is None:
             return
         self.f.close()
         self.f = None
-        if self.jsonl.exists():
-            write_json_atomic(self.index_path, {"format": FORMAT, "rows": self.rows, "chunks": self.chunks,
-                                                "bytes": self.path.stat().st_size, **index,
-                                                "jsonl": fingerprint(self.jsonl)})
+        if self.rows != expected_rows or not self.jsonl.exists():
+            self.path.unlink(missing_ok=True)
+            return
+        write_json_atomic(self.index_path, {"format": FORMAT, "rows": self.rows, "chunks": self.chunks,
+                                            "bytes": self.path.stat().st_size, "crc32": self.crc, **index,
+                                            "jsonl": fingerprint(self.jsonl)})
 
 
 def _matching(jsonl: Path) -> dict[str, Any] | None:
@@ -100,28 +112,59 @@ def _matching(jsonl: Path) -> dict[str, Any] | None:
         index = json.loads(index_path.read_text())
         if index.get("format") != FORMAT or os.path.getsize(path) != index["bytes"]:
             return None
+        if not all(isinstance(index[k], int) and index[k] >= 0 for k in ("rows", "chunks", "bytes", "crc32")):
+            return None
         return index if index["jsonl"] == fingerprint(jsonl) else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _chunks(jsonl: Path, index: dict[str, Any], fields: Sequence[str]) -> Iterator[dict[str, np.ndarray]]:
-    """Each stored chunk's arrays by name, each of one length but the last (``Damaged`` if the file falls short)."""
+def _read_array(f: IO[bytes], end: int, kinds: str) -> np.ndarray:
+    """The next ``.npy`` array of the copy, checked before anything is allocated: a 1-D array of one of the dtype
+    ``kinds`` whose data lies within the file (``Damaged`` otherwise, whatever is wrong with the bytes)."""
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise Damaged(f"npy version {version}")
+    except Damaged:
+        raise
+    except Exception as exc:  # a damaged header can fail in many ways (numpy's own parser, tokenize, ...)
+        raise Damaged(f"an array header: {exc}") from exc
+    if fortran or len(shape) != 1 or dtype.hasobject or dtype.kind not in kinds:
+        raise Damaged(f"an array of {dtype} and shape {shape}, not 1-D of kind {kinds}")
+    if f.tell() + shape[0] * dtype.itemsize > end:
+        raise Damaged("an array runs past the end of the file")
+    a = np.fromfile(f, dtype=dtype, count=shape[0])
+    if a.size != shape[0]:
+        raise Damaged("an array is short")
+    return a
+
+
+def _chunks(jsonl: Path, index: dict[str, Any], fields: dict[str, str],
+            own_length: tuple[str, ...] = ()) -> Iterator[dict[str, np.ndarray]]:
+    """Each stored chunk's arrays by name, all of one length but ``own_length``'s. ``Damaged`` (at the end, for
+    the data's checksum) if the file is not what its index says."""
     path = copy_paths(jsonl)[0]
-    rows = 0
+    rows, crc = 0, 0
+    first = next(iter(fields))
     with open(path, "rb") as f:
-        for _ in range(int(index["chunks"])):
-            try:
-                arrays = {name: np.load(f, allow_pickle=False) for name in fields}
-            except (ValueError, OSError, EOFError) as exc:
-                raise Damaged(f"{path}: {exc}") from exc
-            n = arrays[fields[0]].size
-            if any(arrays[name].shape != (n,) for name in fields[:-1]):
+        end = os.fstat(f.fileno()).st_size
+        for _ in range(index["chunks"]):
+            arrays = {}
+            for name, kinds in fields.items():
+                a = arrays[name] = _read_array(f, end, kinds)
+                crc = zlib.crc32(memoryview(a).cast("B"), crc)
+            n = arrays[first].size
+            if any(a.size != n for name, a in arrays.items() if name not in own_length):
                 raise Damaged(f"{path}: a chunk's arrays disagree")
             rows += n
             yield arrays
-        if rows != index["rows"] or f.read(1):
-            raise Damaged(f"{path}: {rows} rows, the index says {index['rows']}")
+        if rows != index["rows"] or f.read(1) or crc != index["crc32"]:
+            raise Damaged(f"{path}: not the {index['rows']} rows its index describes")
 
 
 # ---------------------------------------------------------------- request records
@@ -129,7 +172,7 @@ def _chunks(jsonl: Path, index: dict[str, Any], fields: Sequence[str]) -> Iterat
 def _itl_stored(itl: np.ndarray) -> np.ndarray:
     """ITLs (ms) as µs integers when every one is on the 1 µs grid and that gives back the same floats, else as
     they are."""
-    if itl.size == 0 or not np.isfinite(itl).all() or itl.min() < 0 or itl.max() >= 2**32 / 1e3:
+    if itl.size == 0 or not np.isfinite(itl).all() or np.signbit(itl).any() or itl.max() >= 2**32 / 1e3:
         return itl.astype(np.float64, copy=False)
     us = np.rint(itl * 1e3)
     if not np.array_equal(us / 1e3, itl):
@@ -144,9 +187,10 @@ class ColumnWriter(_Writer):
         self._append([_itl_stored(cols[name]) if name == "itl" else
                       cols[name].astype(_STORED[name]) if name in _STORED else cols[name] for name in FIELDS])
 
-    def close(self, keys: list[tuple[str, float]], errors: list[str]) -> None:
-        """``keys``: the (mode, level) of each level code, in code order; ``errors``: the error names likewise."""
-        self._close({"keys": [[mode, level] for mode, level in keys], "errors": errors})
+    def close(self, keys: list[tuple[str, float]], errors: list[str], records: int) -> None:
+        """``keys``: the (mode, level) of each level code, in code order; ``errors``: the error names likewise;
+        ``records``: how many the JSONL got (the index is written only if the copy has them all)."""
+        self._close({"keys": [[mode, level] for mode, level in keys], "errors": errors}, records)
 
 
 class StoredColumns:
@@ -160,11 +204,12 @@ class StoredColumns:
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """Each chunk's columns with the dtypes ``_extract`` gives (plus ``itl_us``: the ITLs as stored, when in µs);
         ``Damaged`` if the file falls short."""
-        for cols in _chunks(self.jsonl, self.index, FIELDS):
+        for cols in _chunks(self.jsonl, self.index, FIELDS, own_length=("itl",)):
             n = cols["start"].size
             lens = cols["itl_len"].astype(np.int64)
-            if cols["itl"].size != int(lens.sum()) or (n and (cols["key"].max() >= len(self.keys)
-                                                             or cols["error"].max() >= len(self.errors))):
+            codes_ok = not n or (cols["key"].min() >= 0 and cols["key"].max() < len(self.keys)
+                                 and cols["error"].min() >= 0 and cols["error"].max() < len(self.errors))
+            if not codes_ok or (n and lens.min() < 0) or cols["itl"].size != int(lens.sum()):
                 raise Damaged(f"{self.jsonl}: a chunk's columns disagree with its index")
             for name in _STORED:
                 cols[name] = cols[name].astype(np.int64)
@@ -222,9 +267,10 @@ class TelemetryWriter(_Writer):
             self._rows = []
             self._append([table[:, 0].astype(np.int32), *(np.ascontiguousarray(table[:, k]) for k in (1, 2, 3))])
 
-    def close(self) -> None:
+    def close(self, rows: int) -> None:
+        """``rows``: how many the JSONL got (the index is written only if the copy has them all)."""
         self.flush()
-        self._close({"series": [[src, name, labels] for src, name, labels in self.series]})
+        self._close({"series": [[src, name, labels] for src, name, labels in self.series]}, rows)
 
 
 def stored_telemetry(jsonl: Path) -> tuple[list[Series], Iterator[dict[str, np.ndarray]]] | None:

@@ -106,6 +106,8 @@ class ItlValues:
         if not self.grid_us.size:
             return percentiles(self._floats())
         self._count()
+        if self.off_grid:  # the last values were off the grid: every value is a float again
+            return percentiles(self._floats())
         # the exact mean (an integer count of µs over n), where np.mean's pairwise float sum may differ by an ulp
         return counted_percentiles(self.grid_us / 1e3, self.grid_counts,
                                    self.grid_sum_us / (int(self.grid_counts.sum()) * 1000))
@@ -200,9 +202,10 @@ class LevelArrays:
             first, n = self.first[m], self.out_tokens[m]
             last = np.where(np.isnan(self.e2e[m]), first, self.start[m] + self.e2e[m] / 1e3)
             step = np.where(n > 1, (last - first) / np.maximum(n - 1, 1), np.inf)
+            instant = ~(step > 0) | np.isinf(step)  # one token, or all at one time (no end: a cancelled request)
             with np.errstate(invalid="ignore", divide="ignore"):
-                k_lo = np.where(np.isinf(step), np.where(first >= t0, 0, n), np.ceil((t0 - first) / step))
-                k_hi = np.where(np.isinf(step), np.where(first < t1, 0, -1), np.ceil((t1 - first) / step) - 1)
+                k_lo = np.where(instant, np.where(first >= t0, 0, n), np.ceil((t0 - first) / step))
+                k_hi = np.where(instant, np.where(first < t1, n - 1, -1), np.ceil((t1 - first) / step) - 1)
             k_lo, k_hi = np.clip(k_lo, 0, n), np.clip(k_hi, -1, n - 1)  # k_lo = n: every token came before t0
             counts[m] = np.maximum(k_hi - k_lo + 1, 0).astype(np.int64)
         self._request_tokens[(t0, t1)] = counts

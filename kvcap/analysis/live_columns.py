@@ -114,6 +114,8 @@ class LiveColumns:
         self.chunk = chunk
         self.sink = sink
         """Where each chunk's columns are also written (``requests.columns``), whatever becomes of them here."""
+        self.records = 0
+        """Records taken into columns (and the sink) so far."""
         self.buf: list[dict[str, Any]] = []
         self.levels: dict[int, _LiveLevel] = {}
         self.open_key: tuple[int, int] | None = None
@@ -171,6 +173,7 @@ class LiveColumns:
         cols = _extract(recs, self.keys, self.errors)
         if self.sink is not None:
             self.sink.append(cols)
+        self.records += len(recs)
         if self.open_key is None:
             self.ok = False
             return
@@ -201,11 +204,15 @@ class LiveColumns:
         level.unsettled.add(level.n + near, first[near], last[near], lens[near], itls_of(flat, lens, near))
         level.n += lens.size
 
-    def close_file(self) -> None:
-        """The last records into the column file and its index written (after ``requests.jsonl`` is closed)."""
+    def close_file(self, written: int) -> None:
+        """The last records into the column file, and its index written (after ``requests.jsonl`` is closed) if
+        these columns have every one of the ``written`` records (an interrupt between the file and here loses
+        some: then neither the columns nor the file's copy are used)."""
         self.flush()
+        if self.records != written:
+            self.ok = False
         if self.sink is not None:
-            self.sink.close(list(self.keys.ids), list(self.errors.ids))
+            self.sink.close(list(self.keys.ids), list(self.errors.ids), written)
 
     # ------------------------------------------------------------------ the summary's side
     def reader(self, path: Path, windows: dict[Key, dict[int, Window]]) -> dict[Key, LevelArrays]:

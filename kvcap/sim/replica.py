@@ -146,7 +146,8 @@ class Replica:
         span = self.span
         if t is None or span is None or span.ends.size < 2:
             return self.hbm.usage()
-        steps = min(int(np.searchsorted(span.ends, t, side="right")) + 1, span.ends.size)  # started by t
+        # started by t: a step ending exactly at t has not yet handed over to the next (that is the event at t)
+        steps = min(int(np.searchsorted(span.ends, t, side="left")) + 1, span.ends.size)
         hbm, reserved = self.hbm, span.reserved
         ahead = 0
         for req in span.decoders:

@@ -394,8 +394,8 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
         interrupted = True
     finally:
         writer.close()
-        columns.close_file()
-        telemetry_copy.close()
+        columns.close_file(writer.records)
+        telemetry_copy.close(writer.telemetry_rows)
     wall = time.perf_counter() - wall0
     summary = build_summary(RunDir(cfg.out), slo=cfg.slo, reader=columns.reader)
     simulated = sum(i["sim"]["simulated_s"] for i in infos)
