@@ -179,8 +179,8 @@ def test_api_key_is_sent_but_never_written(tmp_path, fixed_server):
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "KVCAP_API_KEY": env_key},
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for f in (tmp_path / "run").iterdir():
-        assert env_key not in f.read_text()
+    for f in (tmp_path / "run").iterdir():  # the binary column copies too
+        assert env_key.encode() not in f.read_bytes()
     assert "Authorization" in RunDir(tmp_path / "run").manifest["header_names"]
 
 

@@ -21,6 +21,7 @@ from kvcap.analysis.summary import build_summary
 from kvcap.rundir import COLUMN_COPIES, REQUESTS, TELEMETRY, RunDir, RunWriter
 
 from .conftest import run_cli
+from .servers import start_fake_server
 from .test_live_columns import CASES, SCENARIO
 
 COLUMNS, COLUMNS_INDEX = column_file.copy_paths(Path(REQUESTS))
@@ -238,3 +239,21 @@ def test_a_changed_byte_in_the_copys_data_is_caught(tmp_path: Path, monkeypatch:
         assert _summary(out) == truth
         assert read["requests" if name == COLUMNS else "telemetry"], "the copy was not even read"
         (out / name).write_bytes(keep)
+
+
+def test_bench_leaves_copies_of_what_it_read_for_its_own_summary(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvcap bench``'s closing summary parses the JSONL files once and writes their copies as it goes: a later
+    ``analyze`` reads them, and gets the JSONL's summary."""
+    out = tmp_path / "run"
+    with start_fake_server(slots=4, step_a="5ms", step_b="1ms") as srv:
+        p = run_cli("bench", "--url", srv.url, "--concurrency", "2,6", "--requests", "60", "--warmup", "0s",
+                    "--input-tokens", "32", "--output-tokens", "16", "--metrics-url", srv.url + "/metrics",
+                    "--out", str(out), "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert all((out / name).exists() for name in COLUMN_COPIES)
+    read = _reads_columns(monkeypatch)
+    from_copies = _summary(out)
+    assert sum(read["requests"]) == _lines(out / REQUESTS) and sum(read["telemetry"]) > 0
+    assert from_copies == _jsonl_summary(out, monkeypatch)
+    assert json.loads(from_copies)["levels"][1]["server_running_max"] is not None  # telemetry really in it

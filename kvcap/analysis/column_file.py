@@ -56,6 +56,11 @@ def copy_paths(jsonl: Path) -> tuple[Path, Path]:
     return jsonl.with_name(stem + SUFFIX), jsonl.with_name(stem + INDEX_SUFFIX)
 
 
+def writable(jsonl: Path) -> bool:
+    """Whether a copy of ``jsonl`` can be written beside it (a read-only run directory is read, never written)."""
+    return jsonl.exists() and os.access(jsonl.parent, os.W_OK)
+
+
 def fingerprint(jsonl: Path) -> dict[str, Any]:
     """What identifies a JSONL file as the one the columns were taken from, cheaply (not a full hash)."""
     st = jsonl.stat()
@@ -90,9 +95,10 @@ class _Writer:
         self.rows += int(arrays[0].size)
         self.chunks += 1
 
-    def _close(self, index: dict[str, Any], expected_rows: int) -> None:
+    def _close(self, index: dict[str, Any], expected_rows: int, taken_from: dict[str, Any] | None = None) -> None:
         """The index, only if the copy holds the ``expected_rows`` the JSONL got (an interrupted run may have
-        written rows to one and not yet to the other: then the copy is deleted)."""
+        written rows to one and not yet to the other: then the copy is deleted). ``taken_from``: the JSONL's
+        fingerprint before it was read (a copy made by reading it), else taken now."""
         if self.f is None:
             return
         self.f.close()
@@ -102,7 +108,13 @@ class _Writer:
             return
         write_json_atomic(self.index_path, {"format": FORMAT, "rows": self.rows, "chunks": self.chunks,
                                             "bytes": self.path.stat().st_size, "crc32": self.crc, **index,
-                                            "jsonl": fingerprint(self.jsonl)})
+                                            "jsonl": taken_from or fingerprint(self.jsonl)})
+
+    def discard(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+        self.path.unlink(missing_ok=True)
 
 
 def _matching(jsonl: Path) -> dict[str, Any] | None:
@@ -187,10 +199,11 @@ class ColumnWriter(_Writer):
         self._append([_itl_stored(cols[name]) if name == "itl" else
                       cols[name].astype(_STORED[name]) if name in _STORED else cols[name] for name in FIELDS])
 
-    def close(self, keys: list[tuple[str, float]], errors: list[str], records: int) -> None:
+    def close(self, keys: list[tuple[str, float]], errors: list[str], records: int,
+              taken_from: dict[str, Any] | None = None) -> None:
         """``keys``: the (mode, level) of each level code, in code order; ``errors``: the error names likewise;
         ``records``: how many the JSONL got (the index is written only if the copy has them all)."""
-        self._close({"keys": [[mode, level] for mode, level in keys], "errors": errors}, records)
+        self._close({"keys": [[mode, level] for mode, level in keys], "errors": errors}, records, taken_from)
 
 
 class StoredColumns:
@@ -267,10 +280,15 @@ class TelemetryWriter(_Writer):
             self._rows = []
             self._append([table[:, 0].astype(np.int32), *(np.ascontiguousarray(table[:, k]) for k in (1, 2, 3))])
 
-    def close(self, rows: int) -> None:
+    def add_series(self, series_id: int, t: np.ndarray, value: np.ndarray, hold: np.ndarray) -> None:
+        """One series' rows at once (a copy made from rows already read)."""
+        self.flush()
+        self._append([np.full(t.size, series_id, np.int32), t, value, hold])
+
+    def close(self, rows: int, taken_from: dict[str, Any] | None = None) -> None:
         """``rows``: how many the JSONL got (the index is written only if the copy has them all)."""
         self.flush()
-        self._close({"series": [[src, name, labels] for src, name, labels in self.series]}, rows)
+        self._close({"series": [[src, name, labels] for src, name, labels in self.series]}, rows, taken_from)
 
 
 def stored_telemetry(jsonl: Path) -> tuple[list[Series], Iterator[dict[str, np.ndarray]]] | None:

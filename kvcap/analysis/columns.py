@@ -14,7 +14,7 @@ or many (the test compares them on every key of ``summary.json``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, repeat
 from operator import itemgetter
 from pathlib import Path
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.column_file import Damaged, stored_columns
+from kvcap.analysis.column_file import ColumnWriter, Damaged, fingerprint, stored_columns, writable
 from kvcap.analysis.quantiles import counted_percentiles, percentiles
 from kvcap.rundir import CHUNK_BYTES, gc_paused, jsonl_chunks
 
@@ -78,6 +78,9 @@ class ItlValues:
     def _count(self) -> None:
         if not self.parts:
             return
+        if all(part.dtype.kind == "u" for part in self.parts):  # a column file's µs: counted as they are
+            self._add_counts(np.concatenate(self.parts))
+            return
         us_parts = []
         for part in self.parts:
             us = part.astype(np.int64) if part.dtype.kind == "u" else np.rint(part * 1e3).astype(np.int64)
@@ -91,7 +94,10 @@ class ItlValues:
                 self.parts, self.off_grid = [flat], True
                 return
             us_parts.append(us)
-        us = np.concatenate(us_parts)
+        self._add_counts(np.concatenate(us_parts))
+
+    def _add_counts(self, us: np.ndarray) -> None:
+        """µs values (integers) into the counts; the parts they came from are done."""
         self.parts, self.size = [], 0
         vals, counts = _value_counts(us)
         if self.grid_us.size:  # merged as arrays: a level has ~10⁵ distinct values, merged ~100 times
@@ -116,7 +122,7 @@ class ItlValues:
 def _value_counts(us: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(us, return_counts=True)`` of µs values; those under ``BINCOUNT_US`` counted by ``bincount`` (no sort
     of millions of values)."""
-    small = (us >= 0) & (us < BINCOUNT_US)
+    small = us < BINCOUNT_US if us.dtype.kind == "u" else (us >= 0) & (us < BINCOUNT_US)
     if small.all():
         counts = np.bincount(us)
         vals = np.flatnonzero(counts)
@@ -484,9 +490,10 @@ def _levels(extracted: Iterable[dict[str, Any]], windows: dict[Key, dict[int, Wi
 
 
 def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes: int = CHUNK_BYTES,
-                 itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, LevelArrays]:
+                 itl_exact_max: int = ITL_EXACT_MAX, write_copy: bool = False) -> dict[Key, LevelArrays]:
     """``requests.jsonl`` streamed into per-level columns (no dict per record kept): from the binary copy of its
-    columns beside it when that is whole and taken from this very file (``column_file``), else parsed."""
+    columns beside it when that is whole and taken from this very file (``column_file``), else parsed —
+    ``write_copy``: and the copy written as it is parsed, for the next reader."""
     stored = stored_columns(path) if path.exists() else None
     if stored is not None:
         try:
@@ -494,4 +501,23 @@ def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes:
                            {e: i for i, e in enumerate(stored.errors)}, itl_exact_max)
         except Damaged:
             pass
-    return columns_of(jsonl_chunks(path, chunk_bytes) if path.exists() else (), windows, itl_exact_max)
+    if not (write_copy and writable(path)):
+        return columns_of(jsonl_chunks(path, chunk_bytes) if path.exists() else (), windows, itl_exact_max)
+    taken_from = fingerprint(path)
+    keys, errors = _level_codes(), _error_codes()
+    sink = ColumnWriter(path)
+
+    def copied() -> Iterator[dict[str, Any]]:
+        for recs in jsonl_chunks(path, chunk_bytes):
+            if recs:
+                cols = _extract(recs, keys, errors)
+                sink.append(cols)
+                yield cols
+
+    try:
+        out = _levels(copied(), windows, keys.ids, errors.ids, itl_exact_max)
+    except BaseException:
+        sink.discard()
+        raise
+    sink.close(list(keys.ids), list(errors.ids), sink.rows, taken_from)
+    return out

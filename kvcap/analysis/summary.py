@@ -20,10 +20,13 @@ from kvcap.rundir import REQUESTS, RunDir
 from kvcap.specs.load import LIMIT_RULE
 
 
-def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Reader | None = None) -> dict[str, Any]:
-    """``reader``: how records become per-level columns (default: streamed from ``requests.jsonl``)."""
+def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Reader | None = None,
+                  write_copies: bool = False) -> dict[str, Any]:
+    """``reader``: how records become per-level columns (default: streamed from ``requests.jsonl``);
+    ``write_copies``: write the JSONL files' column copies where missing (the run's writer closing its own run:
+    later reports and comparisons skip the parse)."""
     slo = slo if slo is not None else (run.manifest.get("slo") or {})
-    telemetry = read_telemetry(run)
+    telemetry = read_telemetry(run, write_copy=write_copies)
     running, waiting = series_of(telemetry, "server.requests_running"), series_of(telemetry, "server.requests_waiting")
     parked = series_of(telemetry, "server.requests_parked")
     resident_series = running.plus(parked) if parked else running
@@ -39,7 +42,8 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         infos[(str(info["mode"]), float(info["level"]))][int(info.get("repeat", 0))] = info
     known = {key: {k: (reps[k]["measure_start_s"], reps[k]["measure_end_s"]) for k in sorted(reps)}
              for key, reps in infos.items()}
-    by_level = (reader or read_columns)(run.dir / REQUESTS, known)
+    by_level = reader(run.dir / REQUESTS, known) if reader else read_columns(run.dir / REQUESTS, known,
+                                                                               write_copy=write_copies)
     levels: list[dict[str, Any]] = []
     extra: dict[str, dict[float, dict[str, Any]]] = defaultdict(dict)
     keys = sorted(set(by_level) | set(infos), key=lambda k: (k[0], k[1]))

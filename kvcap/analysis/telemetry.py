@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.column_file import Damaged, stored_telemetry
+from kvcap.analysis.column_file import Damaged, TelemetryWriter, fingerprint, stored_telemetry, writable
 from kvcap.rundir import TELEMETRY, RunDir, gc_paused
 
 MEAN = {"gpu.util", "gpu.sm_active", "gpu.dram_active", "gpu.engine_active", "server.kv_usage",
@@ -316,16 +316,29 @@ def dedupe_sources(rows: Iterable[dict[str, Any]]) -> Telemetry:
     return Telemetry(rows, dedupe=True)
 
 
-def read_telemetry(run: RunDir) -> Telemetry:
+def read_telemetry(run: RunDir, write_copy: bool = False) -> Telemetry:
     """``dedupe_sources`` of the run's telemetry: from its column copy when that matches ``telemetry.jsonl``
-    (``column_file``), else from the rows."""
-    stored = stored_telemetry(run.dir / TELEMETRY)
+    (``column_file``), else from the rows — ``write_copy``: and the copy written from them, for the next reader."""
+    path = run.dir / TELEMETRY
+    stored = stored_telemetry(path)
     if stored is not None:
         try:
             return Telemetry.from_columns(*stored, dedupe=True)
         except Damaged:
             pass
-    return dedupe_sources(run.iter_telemetry())
+    if not (write_copy and writable(path)):
+        return dedupe_sources(run.iter_telemetry())
+    taken_from = fingerprint(path)
+    telemetry = dedupe_sources(run.iter_telemetry())
+    copy = TelemetryWriter(path)
+    try:  # series in id order, each one's rows in order: read back, the same ids, rows and values
+        for sid, (t, v, h) in zip(copy.ids(telemetry.meta), telemetry.raw):
+            copy.add_series(sid, t, v, h)
+    except BaseException:
+        copy.discard()
+        raise
+    copy.close(copy.rows, taken_from)
+    return telemetry
 
 
 def series(rows: Telemetry | list[dict[str, Any]], name: str, agg: str | None = None,

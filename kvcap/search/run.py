@@ -33,7 +33,7 @@ from typing import Any
 
 from kvcap.errors import EndpointError, InputError
 from kvcap.report.data import best_goodput_level
-from kvcap.rundir import SUMMARY, _dumps, read_jsonl, write_json_atomic
+from kvcap.rundir import COLUMN_COPIES, SUMMARY, _dumps, read_jsonl, write_json_atomic
 from kvcap.search import pareto
 from kvcap.search.grid import Prices, Target, baseline, expand, point_name
 from kvcap.sim.cluster import cluster_model
@@ -107,7 +107,9 @@ def run_point(task: PointTask) -> dict[str, Any]:
     if task.ship:
         with tempfile.TemporaryDirectory(prefix="kvcap-search-") as tmp:
             summary = _simulate(task, Path(tmp) / "run")
-            names = [SUMMARY] if task.summary_only else sorted(p.name for p in (Path(tmp) / "run").iterdir())
+            # the column copies stay behind: written elsewhere, their JSONL's time is not theirs (never trusted)
+            names = [SUMMARY] if task.summary_only else sorted(p.name for p in (Path(tmp) / "run").iterdir()
+                                                               if p.name not in COLUMN_COPIES)
             files = {n: (Path(tmp) / "run" / n).read_bytes() for n in names}
     else:
         dest = Path(task.dest)
