@@ -148,12 +148,15 @@ class Replica:
             return self.hbm.usage()
         # started by t: a step ending exactly at t has not yet handed over to the next (that is the event at t)
         steps = min(int(np.searchsorted(span.ends, t, side="left")) + 1, span.ends.size)
-        hbm, reserved = self.hbm, span.reserved
+        hbm, reserved, bs = self.hbm, span.reserved, self.hbm.block_size
         ahead = 0
         for req in span.decoders:
             held = reserved.get(req.rid, 0)
-            if held > 0:
-                ahead += min(max(-hbm.private_need(req, req.kv + steps), 0), held)
+            if held > 0:  # blocks held beyond what kv + steps tokens need (private_need inlined where it is a ceil)
+                excess = req.blocks + (-(req.kv + steps)) // bs if bs and not req.shared else \
+                    -hbm.private_need(req, req.kv + steps)
+                if excess > 0:
+                    ahead += excess if excess < held else held
         return (hbm.used - hbm.cached_blocks - ahead) / hbm.capacity
 
     def load(self) -> int:
