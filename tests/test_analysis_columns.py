@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis.columns import ItlValues, LevelArrays, columns_of, read_columns
-from kvcap.analysis.quantiles import percentiles
+from kvcap.analysis.columns import LevelArrays, columns_of, read_columns
+from kvcap.analysis.quantiles import ItlValues, percentiles
 from kvcap.analysis.stats import tokens_in_window
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import REQUESTS, RunDir, read_jsonl

@@ -126,7 +126,7 @@ def test_arm_label_on_every_finding():
 
 
 def test_idle_replicas_below_one_request_each_are_not_imbalance():
-    from kvcap.analysis.telemetry import imbalance
+    from kvcap.analysis.telemetry_nodes import imbalance
 
     idle = {"n0": {"gpu_util_mean": 1.0, "running_mean": 1.0}, "n1": {"gpu_util_mean": 0.0, "running_mean": 0.0}}
     assert imbalance(idle, in_flight=1, replicas=2) is None
@@ -138,7 +138,7 @@ def test_idle_replicas_below_one_request_each_are_not_imbalance():
 
 
 def test_a_node_under_its_fair_share_is_imbalance():
-    from kvcap.analysis.telemetry import imbalance
+    from kvcap.analysis.telemetry_nodes import imbalance
 
     skew = {"n0": {"running_mean": 0.7, "waiting_mean": 0.0}, "n1": {"running_mean": 7.3, "waiting_mean": 0.0}}
     assert imbalance(skew, in_flight=8, replicas=2) == {
@@ -152,7 +152,7 @@ def test_a_node_under_its_fair_share_is_imbalance():
 
 
 def test_requests_waiting_beside_a_node_with_room_is_imbalance():
-    from kvcap.analysis.telemetry import imbalance
+    from kvcap.analysis.telemetry_nodes import imbalance
 
     nodes = {"n0": {"running_mean": 4.0, "waiting_mean": 3.0, "kv_usage_max": 0.99},
              "n1": {"running_mean": 4.0, "waiting_mean": 0.0, "kv_usage_max": 0.5}}

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from kvcap.analysis import live_columns
-from kvcap.analysis.columns import _count_each_token, _count_tokens, _value_counts
+from kvcap.analysis.columns import _count_each_token, _count_tokens
 from kvcap.analysis.live_columns import LiveColumns
+from kvcap.analysis.quantiles import _value_counts
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
 

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from kvcap.analysis.telemetry import dedupe_sources, imbalance, node_figures, series
+from kvcap.analysis.telemetry import dedupe_sources, series
+from kvcap.analysis.telemetry_nodes import imbalance, node_figures
 from kvcap.telemetry.catalog import counter_rates, detect_engine, entry, normalise
 from kvcap.telemetry.prometheus import node_of, rows_from_matrix, selector
 from kvcap.telemetry.scrape import RateTracker, parse_metrics, parse_target
@@ -263,7 +264,7 @@ def test_local_telemetry_reads_this_hosts_network(tmp_path):
 
 
 def test_nic_utilisation_from_node_exporter_speed():
-    from kvcap.analysis.telemetry import nic_utilisation
+    from kvcap.analysis.telemetry_nodes import nic_utilisation
 
     rows = [{"name": "net.speed_bytes_s", "labels": {"device": "eth0"}, "value": 12.5e9},
             {"name": "net.rx_bytes_s", "labels": {"device": "eth0"}, "value": 10e9},

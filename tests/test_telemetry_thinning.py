@@ -20,12 +20,11 @@ from kvcap.analysis.telemetry import (
     dedupe_sources,
     expand_held,
     how,
-    node_figures,
-    nodes,
     round_us,
     series,
     series_of,
 )
+from kvcap.analysis.telemetry_nodes import node_figures, nodes
 from kvcap.experiment import packaged_scenario
 from kvcap.rundir import RunDir
 from kvcap.sim.run import SimConfig, run_sim

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.column_file import ColumnWriter, Damaged, fingerprint, stored_columns, writable
-from kvcap.analysis.quantiles import counted_percentiles, percentiles
+from kvcap.analysis.quantiles import ITL_EXACT_MAX, ItlValues
 from kvcap.rundir import CHUNK_BYTES, gc_paused, jsonl_chunks
 
 Key = tuple[str, float]
@@ -32,13 +32,9 @@ Reader = Callable[[Path, dict[Key, dict[int, Window]]], dict[Key, "LevelArrays"]
 """Records → per-level columns, given the measured windows known up front (``read_columns``)."""
 SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
 """The per-request latencies an SLO item can limit (``<metric>_ms``)."""
-ITL_EXACT_MAX = 2_000_000
-"""ITL values per level kept as floats (16 MB); past it, counts per 1 µs value (exact order statistics)."""
 EDGE_MARGIN_S = 1e-6
 """A record whose last token is this close to a window's edge is counted token by token (its last token time is
 summed in another order than the running sums, and window bounds are rounded to the µs)."""
-BINCOUNT_US = 1 << 20
-"""ITLs (µs) below this (~1 s) are counted with a table of at most 8 MB, the rest sorted (``_value_counts``)."""
 _FLOATS = {"start": ("start_s", 0.0), "ttft": ("ttft_ms", np.nan), "tpot": ("tpot_ms", np.nan),
            "e2e": ("e2e_ms", np.nan), "end": ("end_s", np.nan), "out_tokens": ("output_tokens", 0.0),
            "in_tokens": ("input_tokens", 0.0), "queue": ("queue_ms", np.nan),
@@ -48,90 +44,6 @@ _PHASE_MEASURE, _PHASE_MISSING, _PHASE_OTHER = 0, 1, 2
 
 def level_key(rec: dict[str, Any]) -> Key:
     return (str(rec.get("mode", "concurrency")), float(rec.get("level", 0)))
-
-
-class ItlValues:
-    """The ITLs of a level's judged ok requests, for their percentiles: floats, then exact counts per value."""
-
-    def __init__(self, exact_max: int = ITL_EXACT_MAX) -> None:
-        self.exact_max = exact_max
-        self.parts: list[np.ndarray] = []
-        self.size = 0
-        self.grid_us = np.zeros(0, np.int64)  # distinct 1 µs values (sorted) and their counts, past ITL_EXACT_MAX
-        self.grid_counts = np.zeros(0, np.int64)
-        self.grid_sum_us = 0
-        self.off_grid = False
-
-    def add(self, values: np.ndarray) -> None:
-        """ITLs in ms (floats), or in µs as unsigned integers (a column file's, exact on the grid already)."""
-        if values.size == 0:
-            return
-        self.parts.append(values)
-        self.size += values.size
-        if self.size > self.exact_max and not self.off_grid:
-            self._count()
-
-    def _floats(self) -> np.ndarray:
-        return np.concatenate([p / 1e3 if p.dtype.kind == "u" else p for p in self.parts]) if self.parts \
-            else np.zeros(0)
-
-    def _count(self) -> None:
-        if not self.parts:
-            return
-        if all(part.dtype.kind == "u" for part in self.parts):  # a column file's µs: counted as they are
-            self._add_counts(np.concatenate(self.parts))
-            return
-        us_parts = []
-        for part in self.parts:
-            us = part.astype(np.int64) if part.dtype.kind == "u" else np.rint(part * 1e3).astype(np.int64)
-            if part.dtype.kind != "u" and not np.array_equal(us / 1e3, part):
-                # not on the 1 µs grid: keep every float (exact, unbounded)
-                flat = self._floats()
-                if self.grid_us.size:
-                    flat = np.concatenate((np.repeat(self.grid_us / 1e3, self.grid_counts), flat))
-                    self.grid_us, self.grid_counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
-                    self.grid_sum_us = 0
-                self.parts, self.off_grid = [flat], True
-                return
-            us_parts.append(us)
-        self._add_counts(np.concatenate(us_parts))
-
-    def _add_counts(self, us: np.ndarray) -> None:
-        """µs values (integers) into the counts; the parts they came from are done."""
-        self.parts, self.size = [], 0
-        vals, counts = _value_counts(us)
-        if self.grid_us.size:  # merged as arrays: a level has ~10⁵ distinct values, merged ~100 times
-            vals, where = np.unique(np.concatenate((self.grid_us, vals)), return_inverse=True)
-            merged = np.zeros(vals.size, np.int64)
-            np.add.at(merged, where, np.concatenate((self.grid_counts, counts)))
-            counts = merged
-        self.grid_us, self.grid_counts = vals, counts
-        self.grid_sum_us += int(us.sum())
-
-    def percentiles(self) -> dict[str, float | None]:
-        if not self.grid_us.size:
-            return percentiles(self._floats())
-        self._count()
-        if self.off_grid:  # the last values were off the grid: every value is a float again
-            return percentiles(self._floats())
-        # the exact mean (an integer count of µs over n), where np.mean's pairwise float sum may differ by an ulp
-        return counted_percentiles(self.grid_us / 1e3, self.grid_counts,
-                                   self.grid_sum_us / (int(self.grid_counts.sum()) * 1000))
-
-
-def _value_counts(us: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(us, return_counts=True)`` of µs values; those under ``BINCOUNT_US`` counted by ``bincount`` (no sort
-    of millions of values)."""
-    small = us < BINCOUNT_US if us.dtype.kind == "u" else (us >= 0) & (us < BINCOUNT_US)
-    if small.all():
-        counts = np.bincount(us)
-        vals = np.flatnonzero(counts)
-        return vals, counts[vals]
-    a_vals, a_counts = _value_counts(us[small])
-    b_vals, b_counts = np.unique(us[~small], return_counts=True)
-    vals = np.concatenate((a_vals, b_vals))
-    order = np.argsort(vals, kind="stable")
-    return vals[order], np.concatenate((a_counts, b_counts))[order]
 
 
 class LevelArrays:

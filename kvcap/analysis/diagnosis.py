@@ -127,7 +127,7 @@ def _link(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
 
 
 def _imbalance(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
-    """Load that could be spread is not (kvcap.analysis.telemetry.imbalance): the hottest node bounds the cluster."""
+    """Load that could be spread is not (kvcap.analysis.telemetry_nodes.imbalance): the hottest node bounds the cluster."""
     for lv in levels:
         hot = lv.get("imbalance")
         if hot:

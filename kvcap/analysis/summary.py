@@ -15,7 +15,8 @@ from kvcap.analysis.columns import LevelArrays, Reader, read_columns
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
 from kvcap.analysis.stats import check_slo, summarize_level
-from kvcap.analysis.telemetry import imbalance, node_figures_per_window, nodes, read_telemetry, series_of, servers
+from kvcap.analysis.telemetry import read_telemetry, series_of
+from kvcap.analysis.telemetry_nodes import imbalance, node_figures_per_window, nodes, servers
 from kvcap.rundir import REQUESTS, RunDir
 from kvcap.specs.load import LIMIT_RULE
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcap.analysis.telemetry import nodes
+from kvcap.analysis.telemetry_nodes import nodes
 from kvcap.report.charts import Band, HLine, LegendItem, Series, VLine, svg_chart
 from kvcap.report.data import (
     Arm,
