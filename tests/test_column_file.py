@@ -257,3 +257,37 @@ def test_bench_leaves_copies_of_what_it_read_for_its_own_summary(tmp_path: Path,
     assert sum(read["requests"]) == _lines(out / REQUESTS) and sum(read["telemetry"]) > 0
     assert from_copies == _jsonl_summary(out, monkeypatch)
     assert json.loads(from_copies)["levels"][1]["server_running_max"] is not None  # telemetry really in it
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_level_without_its_line_is_counted_in_bounded_memory(copies: bool, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed run's last level has no line in ``levels.jsonl``: its window comes from its records. Its ITLs are
+    kept to count its tokens only up to ``KEEP_ITL_MAX``; past it the records are read a second time. Both ways
+    give the same summary, from the copies and from the JSONL."""
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4,16", "--requests", "150", "--warmup", "5s", "--repeats", "1")
+    lines = (out / "levels.jsonl").read_text().splitlines()
+    (out / "levels.jsonl").write_text(lines[0] + "\n")  # the c=16 level as if killed before its line
+    if not copies:
+        for name in COLUMN_COPIES:
+            (out / name).unlink()
+    second_reads: list[int] = []
+    again = columns._count_again
+
+    def counted(*args: Any) -> None:
+        second_reads.append(1)
+        again(*args)
+
+    monkeypatch.setattr(columns, "_count_again", counted)
+    monkeypatch.setattr(columns, "KEEP_ITL_MAX", 10**12)
+    kept = _summary(out)
+    assert not second_reads
+    monkeypatch.setattr(columns, "KEEP_ITL_MAX", 100)
+    read = _reads_columns(monkeypatch)
+    recounted = _summary(out)
+    assert second_reads == [1]
+    assert bool(read["requests"]) == copies
+    assert recounted == kept
+    level = json.loads(recounted)["levels"][1]
+    assert level["level"] == 16 and level["output_tok_s"] > 0

@@ -14,6 +14,7 @@ or many (the test compares them on every key of ``summary.json``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, repeat
 from operator import itemgetter
@@ -313,13 +314,19 @@ class _Column:
 class _Builder:
     """One level's columns as chunks arrive; its token counts for the windows known up front."""
 
-    def __init__(self, windows: tuple[Window, ...] | None, itl_exact_max: int = ITL_EXACT_MAX):
+    def __init__(self, windows: tuple[Window, ...] | None, itl_exact_max: int = ITL_EXACT_MAX,
+                 keep_itl_max: float = math.inf):
         self.windows = windows
         self.parts: dict[str, _Column] = {}
         self.win_parts = [_Column(np.int32) for _ in windows or ()]
         self.itl_parts: list[tuple[np.ndarray, np.ndarray]] = []  # kept only when the windows are not known
         self.itl_ok = ItlValues(itl_exact_max)
         self.error_names: list[str] = []
+        self.keep_itl_max = keep_itl_max
+        """ITL values kept for windows not known up front, at most; past it none are (``recount``)."""
+        self.kept = 0
+        self.recount = False
+        """True: the level's windows, once known, need a second read of its records to count their tokens."""
 
     def add(self, cols: dict[str, Any], rows: np.ndarray | None) -> None:
         """Append the chunk's rows of this level (``rows`` None: the whole chunk is this level's)."""
@@ -338,8 +345,11 @@ class _Builder:
                 self.parts[k] = _Column(v.dtype)
             self.parts[k].extend(v)
         first = mine["start"] + mine["ttft"] / 1e3
-        if self.windows is None:
+        if self.windows is None and not self.recount:
             self.itl_parts.append((flat, lens))
+            self.kept += flat.size
+            if self.kept > self.keep_itl_max:
+                self.itl_parts, self.recount = [], True
         elif self.windows:
             for acc, count in zip(self.win_parts, _count_tokens(first, flat, lens, self.windows)):
                 acc.extend(count)
@@ -357,7 +367,7 @@ class _Builder:
         return cols
 
     def itl_kept(self) -> tuple[np.ndarray, np.ndarray] | None:
-        if self.windows is not None:
+        if self.windows is not None or self.recount:
             return None
         if not self.itl_parts:
             return np.zeros(0), np.zeros(0, np.int64)
@@ -379,18 +389,29 @@ def columns_of(chunks: Iterable[list[dict[str, Any]]], windows: dict[Key, dict[i
     return _levels(extracted, windows, keys.ids, errors.ids, itl_exact_max)
 
 
+KEEP_ITL_MAX = 4_000_000
+"""ITL values (32 MB) a level without a line in ``levels.jsonl`` (a killed run's last) keeps while it is read, to
+count its tokens in the window its records give; past it the records are read a second time instead, so the
+analysis of a killed run stays bounded in memory too."""
+
+
 def _levels(extracted: Iterable[dict[str, Any]], windows: dict[Key, dict[int, Window]], key_ids: dict[Key, int],
-            error_ids: dict[str, int], itl_exact_max: int) -> dict[Key, LevelArrays]:
+            error_ids: dict[str, int], itl_exact_max: int,
+            again: Callable[[], Iterable[dict[str, Any]]] | None = None) -> dict[Key, LevelArrays]:
     """Chunks of columns (``_extract``'s) into one builder per level, made on its first record; ``key_ids`` and
-    ``error_ids`` give the chunks' codes (filled as the chunks are made, when they come from records)."""
+    ``error_ids`` give the chunks' codes (filled as the chunks are made, when they come from records).
+    ``again``: the same chunks once more, with the same codes (without it, a level without windows keeps its
+    ITLs whatever their number)."""
     builders: dict[int, _Builder] = {}
+    keep = KEEP_ITL_MAX if again is not None else math.inf
     with gc_paused():
         for cols in extracted:
             ids = np.unique(cols["key"])
             for kid in ids.tolist():
                 if kid not in builders:
                     key = next(k for k, v in key_ids.items() if v == kid)
-                    builders[kid] = _Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max)
+                    builders[kid] = _Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max,
+                                             keep)
                 builders[kid].add(cols, None if ids.size == 1 else np.flatnonzero(cols["key"] == kid))
     names = list(error_ids)
     out = {}
@@ -398,7 +419,34 @@ def _levels(extracted: Iterable[dict[str, Any]], windows: dict[Key, dict[int, Wi
         if kid in builders:  # (a level announced but without a record has no columns, as in the file)
             builders[kid].error_names = names
             out[key] = LevelArrays._built(builders[kid])
+    recount = {kid: key for key, kid in key_ids.items() if kid in builders and builders[kid].recount}
+    if recount and again is not None:
+        _count_again(out, recount, again())
     return out
+
+
+def _count_again(out: dict[Key, LevelArrays], recount: dict[int, Key], extracted: Iterable[dict[str, Any]]) -> None:
+    """The second read: each recounted level's tokens inside the windows its records give (``own_windows``, the
+    ones the summary asks for), counted as the first read counts known windows."""
+    wins = {kid: tuple(out[key].own_windows().values()) for kid, key in recount.items()}
+    counts = {kid: [_Column(np.int64) for _ in wins[kid]] for kid in recount}
+    with gc_paused():
+        for cols in extracted:
+            ids = np.unique(cols["key"])
+            for kid in ids.tolist():
+                if kid not in recount or not wins[kid]:
+                    continue
+                rows = None if ids.size == 1 else np.flatnonzero(cols["key"] == kid)
+                all_lens = cols["itl_len"]
+                lens = all_lens if rows is None else all_lens[rows]
+                flat = cols["itl"] if rows is None else (itls_of(cols["itl"], all_lens, rows) if lens.sum()
+                                                         else np.zeros(0))
+                start, ttft = (cols["start"], cols["ttft"]) if rows is None else (cols["start"][rows],
+                                                                                  cols["ttft"][rows])
+                for acc, count in zip(counts[kid], _count_tokens(start + ttft / 1e3, flat, lens, wins[kid])):
+                    acc.extend(count)
+    for kid, key in recount.items():
+        out[key]._win_tokens = {w: acc.done() for w, acc in zip(wins[kid], counts[kid])}
 
 
 def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes: int = CHUNK_BYTES,
@@ -406,28 +454,32 @@ def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes:
     """``requests.jsonl`` streamed into per-level columns (no dict per record kept): from the binary copy of its
     columns beside it when that is whole and taken from this very file (``column_file``), else parsed —
     ``write_copy``: and the copy written as it is parsed, for the next reader."""
-    stored = stored_columns(path) if path.exists() else None
+    if not path.exists():
+        return {}
+    stored = stored_columns(path)
     if stored is not None:
         try:
             return _levels(stored.chunks(), windows, {k: i for i, k in enumerate(stored.keys)},
-                           {e: i for i, e in enumerate(stored.errors)}, itl_exact_max)
+                           {e: i for i, e in enumerate(stored.errors)}, itl_exact_max, again=stored.chunks)
         except Damaged:
             pass
-    if not (write_copy and writable(path)):
-        return columns_of(jsonl_chunks(path, chunk_bytes) if path.exists() else (), windows, itl_exact_max)
-    taken_from = fingerprint(path)
     keys, errors = _level_codes(), _error_codes()
+
+    def parsed() -> Iterator[dict[str, Any]]:
+        return (_extract(recs, keys, errors) for recs in jsonl_chunks(path, chunk_bytes) if recs)
+
+    if not (write_copy and writable(path)):
+        return _levels(parsed(), windows, keys.ids, errors.ids, itl_exact_max, again=parsed)
+    taken_from = fingerprint(path)
     sink = ColumnWriter(path)
 
     def copied() -> Iterator[dict[str, Any]]:
-        for recs in jsonl_chunks(path, chunk_bytes):
-            if recs:
-                cols = _extract(recs, keys, errors)
-                sink.append(cols)
-                yield cols
+        for cols in parsed():
+            sink.append(cols)
+            yield cols
 
     try:
-        out = _levels(copied(), windows, keys.ids, errors.ids, itl_exact_max)
+        out = _levels(copied(), windows, keys.ids, errors.ids, itl_exact_max, again=parsed)
     except BaseException:
         sink.discard()
         raise
