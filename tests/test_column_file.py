@@ -291,3 +291,56 @@ def test_a_level_without_its_line_is_counted_in_bounded_memory(copies: bool, tmp
     assert recounted == kept
     level = json.loads(recounted)["levels"][1]
     assert level["level"] == 16 and level["output_tok_s"] > 0
+
+
+def test_a_copy_that_cannot_be_written_costs_only_the_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while ``bench``'s summary writes the copies: the summary is still built, no copy is left."""
+    import errno
+
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4", "--requests", "60", "--warmup", "0s", "--repeats", "1")
+    for name in COLUMN_COPIES:
+        (out / name).unlink()
+    truth = _jsonl_summary(out, monkeypatch)
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(column_file.np, "save", full)
+        got = build_summary(RunDir(out), slo=RunDir(out).manifest.get("slo") or {}, write_copies=True)
+    assert json.dumps(got, sort_keys=True) == truth
+    assert not any((out / name).exists() for name in COLUMN_COPIES)
+
+
+def test_copies_written_from_odd_files_read_back_as_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies written by a reader (``bench``'s way) of hand-made files: series whose source is missing, empty or a
+    number that reads as the same text are one series both ways; a record without a repeat or with one past 32 bits
+    is kept as parsed."""
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4", "--requests", "60", "--warmup", "0s", "--repeats", "1")
+    for name in COLUMN_COPIES:
+        (out / name).unlink()
+    recs = [json.loads(x) for x in (out / REQUESTS).read_text().splitlines()]
+    recs[3]["repeat"], recs[10]["repeat"] = None, 2**32
+    (out / REQUESTS).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows = [{"t_s": 0.0, "name": "server.requests_running", "labels": {"replica": "x"}, "value": 1, "hold_s": 1.0},
+            {"t_s": 3.0, "name": "server.requests_running", "labels": {"replica": "x"}, "value": 5, "hold_s": 1.0},
+            {"t_s": 4.0, "source": "", "name": "server.requests_running", "labels": {"replica": "x"}, "value": 2},
+            {"t_s": 5.0, "source": 1, "name": "gpu.util", "labels": {}, "value": 0.5},
+            {"t_s": 6.0, "source": "1", "name": "gpu.util", "labels": {}, "value": 0.7}]
+    with open(out / TELEMETRY, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    truth = _jsonl_summary(out, monkeypatch)
+    run = RunDir(out)
+    assert json.dumps(build_summary(run, slo=run.manifest.get("slo") or {}, write_copies=True),
+                      sort_keys=True) == truth
+    assert all((out / name).exists() for name in COLUMN_COPIES)
+    read = _reads_columns(monkeypatch)
+    assert _summary(out) == truth
+    assert read["requests"] and read["telemetry"]
+    parsed = telemetry.dedupe_sources(run.iter_telemetry())
+    copied = telemetry.read_telemetry(run)
+    assert parsed.meta == copied.meta
+    assert all(all(np.array_equal(a, b, equal_nan=True) for a, b in zip(x, y)) for x, y in zip(parsed.raw,
+                                                                                              copied.raw))

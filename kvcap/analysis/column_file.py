@@ -17,6 +17,7 @@ holds the chunk's (a quarter or half of float64's bytes; read back as the same f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ FIELDS = {**dict.fromkeys(("start", "ttft", "tpot", "e2e", "end", "out_tokens", 
           "itl_len": "i", "itl": "fu"}
 """A chunk of request records' columns, as ``columns._extract`` makes them, in the order they are stored, with the
 dtype kinds each may have (``itl`` alone has its own length)."""
-_STORED = {"repeat": np.int32, "key": np.int32, "itl_len": np.int32}
+_STORED = {"key": np.int32, "itl_len": np.int32}
 """Integer request columns stored narrower than they are used (read back as int64)."""
 TELEMETRY_FIELDS = {"series": "i", "t": "f", "value": "f", "hold": "f"}
 """A chunk of telemetry rows: series id (in the index's ``series`` list), ``t_s``, ``value``, ``hold_s`` (NaN:
@@ -86,12 +87,17 @@ class _Writer:
         """CRC-32 of every array's data, in order (the reader checks the copy's bytes against it)."""
 
     def _append(self, arrays: Sequence[np.ndarray]) -> None:
+        """A chunk; a copy that cannot be written (a full disk) is dropped, never the run or analysis writing it."""
         if self.f is None:
             return
-        for a in arrays:
-            a = np.ascontiguousarray(a)
-            np.save(self.f, a, allow_pickle=False)
-            self.crc = zlib.crc32(memoryview(a).cast("B"), self.crc)
+        try:
+            for a in arrays:
+                a = np.ascontiguousarray(a)
+                np.save(self.f, a, allow_pickle=False)
+                self.crc = zlib.crc32(memoryview(a).cast("B"), self.crc)
+        except OSError:
+            self.discard()
+            return
         self.rows += int(arrays[0].size)
         self.chunks += 1
 
@@ -101,20 +107,27 @@ class _Writer:
         fingerprint before it was read (a copy made by reading it), else taken now."""
         if self.f is None:
             return
-        self.f.close()
-        self.f = None
-        if self.rows != expected_rows or not self.jsonl.exists():
-            self.path.unlink(missing_ok=True)
-            return
-        write_json_atomic(self.index_path, {"format": FORMAT, "rows": self.rows, "chunks": self.chunks,
-                                            "bytes": self.path.stat().st_size, "crc32": self.crc, **index,
-                                            "jsonl": taken_from or fingerprint(self.jsonl)})
-
-    def discard(self) -> None:
-        if self.f is not None:
+        try:
             self.f.close()
             self.f = None
-        self.path.unlink(missing_ok=True)
+            if self.rows != expected_rows or not self.jsonl.exists():
+                self.discard()
+                return
+            write_json_atomic(self.index_path, {"format": FORMAT, "rows": self.rows, "chunks": self.chunks,
+                                                "bytes": self.path.stat().st_size, "crc32": self.crc, **index,
+                                                "jsonl": taken_from or fingerprint(self.jsonl)})
+        except OSError:
+            self.discard()
+
+    def discard(self) -> None:
+        """No copy: the file (and any index) removed, further appends ignored."""
+        if self.f is not None:
+            with contextlib.suppress(OSError):
+                self.f.close()
+            self.f = None
+        with contextlib.suppress(OSError):
+            self.path.unlink(missing_ok=True)
+            self.index_path.unlink(missing_ok=True)
 
 
 def _matching(jsonl: Path) -> dict[str, Any] | None:

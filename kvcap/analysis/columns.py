@@ -191,7 +191,7 @@ def _extract(recs: list[dict[str, Any]], keys: Codes, errors: Codes) -> dict[str
             col[np.isnan(col)] = default
         cols[name] = col
     rep, ok, trunc = (table[:, len(_FLOATS) + i] for i in range(3))
-    cols["repeat"] = rep.astype(np.int64)
+    cols["repeat"] = np.where(np.isnan(rep), 0, rep).astype(np.int64)  # null: repeat 0, as when absent
     cols["ok"] = (ok != 0) & ~np.isnan(ok)
     cols["truncated"] = (trunc != 0) & ~np.isnan(trunc)
     cols["phase"] = np.fromiter(map(_PHASES.get, phases, repeat(_PHASE_OTHER, n)), np.int8, count=n)
@@ -445,8 +445,11 @@ def _count_again(out: dict[Key, LevelArrays], recount: dict[int, Key], extracted
                                                                                   cols["ttft"][rows])
                 for acc, count in zip(counts[kid], _count_tokens(start + ttft / 1e3, flat, lens, wins[kid])):
                     acc.extend(count)
-    for kid, key in recount.items():
-        out[key]._win_tokens = {w: acc.done() for w, acc in zip(wins[kid], counts[kid])}
+    for kid, key in recount.items():  # (records appended since the first read are not the level's: left out)
+        tokens = {w: acc.done()[:out[key].n] for w, acc in zip(wins[kid], counts[kid])}
+        if any(t.size != out[key].n for t in tokens.values()):
+            raise ValueError("requests.jsonl lost records while it was read")
+        out[key]._win_tokens = tokens
 
 
 def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes: int = CHUNK_BYTES,

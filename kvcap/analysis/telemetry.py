@@ -71,15 +71,15 @@ class Telemetry:
                 labels = r.get("labels")
                 if not isinstance(labels, dict):
                     labels = {}
-                source, name = r.get("source"), r.get("name")
+                source, name = r.get("source", ""), r.get("name", "")
                 fast = (source, name, *labels.items())
                 i = seen.get(fast)
-                if i is None:
-                    key = (source, name, *sorted(labels.items()))
+                if i is None:  # a series is its source and name as text (what ``meta`` and a column copy keep)
+                    key = (str(source), str(name), *sorted(labels.items()))
                     i = ids.get(key)
                     if i is None:
                         i = ids[key] = len(cols)
-                        self.meta.append((str(r.get("source", "")), str(r.get("name", "")), labels))
+                        self.meta.append((key[0], key[1], labels))
                         cols.append(([], [], []))
                         done.append([])
                     seen[fast] = i
@@ -330,7 +330,7 @@ def read_telemetry(run: RunDir, write_copy: bool = False) -> Telemetry:
         return dedupe_sources(run.iter_telemetry())
     taken_from = fingerprint(path)
     telemetry = dedupe_sources(run.iter_telemetry())
-    copy = TelemetryWriter(path)
+    copy = TelemetryWriter(path)  # best effort (a full disk leaves no copy, not a failed analysis)
     try:  # series in id order, each one's rows in order: read back, the same ids, rows and values
         for sid, (t, v, h) in zip(copy.ids(telemetry.meta), telemetry.raw):
             copy.add_series(sid, t, v, h)
