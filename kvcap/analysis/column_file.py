@@ -28,11 +28,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from kvcap.rundir import write_json_atomic
+from kvcap.rundir import COLUMN_INDEX_SUFFIX, COLUMN_SUFFIX, write_json_atomic
 
 FORMAT = 1
-SUFFIX, INDEX_SUFFIX = ".columns", ".columns.json"
-"""``requests.jsonl`` → ``requests.columns`` and its index ``requests.columns.json`` (likewise ``telemetry``)."""
 FIELDS = {**dict.fromkeys(("start", "ttft", "tpot", "e2e", "end", "out_tokens", "in_tokens", "queue", "send_delay"),
                           "f"),
           "repeat": "i", "ok": "b", "truncated": "b", "phase": "i", "error": "i", "cancelled": "b", "key": "i",
@@ -52,9 +50,9 @@ class Damaged(ValueError):
 
 
 def copy_paths(jsonl: Path) -> tuple[Path, Path]:
-    """The column copy of ``jsonl`` and its index."""
-    stem = jsonl.name.removesuffix(".jsonl")
-    return jsonl.with_name(stem + SUFFIX), jsonl.with_name(stem + INDEX_SUFFIX)
+    """The column copy of ``jsonl`` and its index (``requests.jsonl`` → ``requests.columns``,
+    ``requests.columns.json``)."""
+    return jsonl.with_name(jsonl.stem + COLUMN_SUFFIX), jsonl.with_name(jsonl.stem + COLUMN_INDEX_SUFFIX)
 
 
 def writable(jsonl: Path) -> bool:
@@ -80,8 +78,12 @@ class _Writer:
     def __init__(self, jsonl: Path):
         self.jsonl = jsonl
         self.path, self.index_path = copy_paths(jsonl)
-        self.index_path.unlink(missing_ok=True)
-        self.f: IO[bytes] | None = open(self.path, "wb", buffering=1 << 20)  # noqa: SIM115 - appended to
+        self.f: IO[bytes] | None = None
+        try:  # best effort from the start: a copy that cannot be opened is none
+            self.index_path.unlink(missing_ok=True)
+            self.f = open(self.path, "wb", buffering=1 << 20)  # noqa: SIM115 - appended to
+        except OSError:
+            self.f = None
         self.rows = self.chunks = 0
         self.crc = 0
         """CRC-32 of every array's data, in order (the reader checks the copy's bytes against it)."""

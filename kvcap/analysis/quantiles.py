@@ -78,13 +78,13 @@ class ItlValues:
     def _count(self) -> None:
         if not self.parts:
             return
-        if all(part.dtype.kind == "u" for part in self.parts):  # a column file's µs: counted as they are
-            self._add_counts(np.concatenate(self.parts))
-            return
         us_parts = []
         for part in self.parts:
-            us = part.astype(np.int64) if part.dtype.kind == "u" else np.rint(part * 1e3).astype(np.int64)
-            if part.dtype.kind != "u" and not np.array_equal(us / 1e3, part):
+            if part.dtype.kind == "u":  # a column file's µs: counted as they are (no int64 copy when all are)
+                us_parts.append(part)
+                continue
+            us = np.rint(part * 1e3).astype(np.int64)
+            if not np.array_equal(us / 1e3, part):
                 # not on the 1 µs grid: keep every float (exact, unbounded)
                 flat = self._floats()
                 if self.grid_us.size:
