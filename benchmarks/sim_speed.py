@@ -5,16 +5,22 @@ in ≤ 10 s of wall time on one core. Baseline on the same machine: the same sim
 off (one event per engine step, the way step-level simulators such as Vidur advance), so the ratio is what the
 closed-form spans buy. Each case runs in this process, one core, records kept in memory or written to disk.
 
+The simulator is compiled with mypyc when installed (``setup.py``); the engine-only cases are also run from its
+sources (``KVCAP_PURE=1``, a subprocess) as the named baseline of that build.
+
 The whole command as a user runs it (issue 14) — simulate, write the run directory, analyse, print — is measured
 too: ``kvcap sim`` in a subprocess (wall seconds and peak RSS of the child), with and without ``--no-itl``.
 
     .venv/bin/python benchmarks/sim_speed.py [--requests 100000]
     .venv/bin/python benchmarks/sim_speed.py --cli-only --cli-sizes 10000,100000
+    KVCAP_PURE=1 .venv/bin/python benchmarks/sim_speed.py   # everything from the sources
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import resource
 import subprocess
@@ -27,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import kvcap.sim  # noqa: E402
 from kvcap.rundir import RunWriter  # noqa: E402
 from kvcap.sim.cluster import cluster_model  # noqa: E402
 from kvcap.sim.run import simulate_level  # noqa: E402
@@ -55,14 +62,7 @@ def case(name: str, overrides: dict[str, Any], concurrency: int, requests: int, 
                        {"workload.input_tokens": 1024, "workload.output_tokens": 256, **overrides})
     cm = cluster_model(sc)
     if per_step:
-        build = cm.build
-
-        def build_per_step(on_finish=None):  # type: ignore[no-untyped-def]
-            sim = build(on_finish)
-            sim.max_span = 1
-            return sim
-
-        object.__setattr__(cm, "build", build_per_step)
+        cm = dataclasses.replace(cm, max_span=1)
     plan = LoadPlan(mode="concurrency", levels=(float(concurrency),), warmup_s=0.0, duration_s=None,
                     requests=requests, repeats=1)
     tmp = tempfile.TemporaryDirectory()
@@ -82,6 +82,12 @@ def case(name: str, overrides: dict[str, Any], concurrency: int, requests: int, 
     return {"case": name, "requests": n, "wall_s": wall, "cpu_s": cpu, "simulated_s": simulated,
             "req_per_s": n / wall, "realtime": simulated / wall, "events": info["sim"]["events"],
             "mb_written": size / 1e6}
+
+
+def engine_rows(requests: int) -> list[dict[str, Any]]:
+    """The engine-only cases the goals name: control c=48 (≥ 10,000× real time), treatment c=96 (≥ 3,000×)."""
+    return [case("control c=48, engine only", {}, 48, requests),
+            case("treatment (remote) c=96, engine only", {"serving.kv_offload": "remote"}, 96, requests)]
 
 
 PROBE = """
@@ -155,7 +161,7 @@ def cli_case(requests: int, itl: bool, concurrency: int = 32, remote: bool = Tru
             raise SystemExit(f"kvcap sim failed ({status}): {' '.join(cmd)}\n{err}")
         probe = next(line.split() for line in err.splitlines() if line.startswith("probe "))
         sizes = {f.name: f.stat().st_size / 1e6 for f in out.iterdir()}
-        levels = [__import__("json").loads(line) for line in (out / "levels.jsonl").read_text().splitlines()]
+        levels = [json.loads(line) for line in (out / "levels.jsonl").read_text().splitlines()]
         analysed = analyze_both_ways(out) if analyze and not stop_at_summary else {}
     engine = sum(lv["sim"]["wall_s"] for lv in levels)
     simulated = sum(lv["sim"]["simulated_s"] for lv in levels)
@@ -206,23 +212,40 @@ def main() -> None:
                     "96 is the treatment's parking case)")
     ap.add_argument("--cli-analyze", action="store_true",
                     help="after each whole-command run, time `kvcap analyze` on it with and without its column copies")
+    ap.add_argument("--engine-json", action="store_true", help=argparse.SUPPRESS)  # the baseline's subprocess
     a = ap.parse_args()
+    if a.engine_json:
+        print(json.dumps(engine_rows(a.requests)))
+        return
     sizes = [int(x) for x in a.cli_sizes.split(",") if x.strip()]
     if sizes:
         cli_table(sizes, {"both": (True, False), "kept": (True,), "no-itl": (False,)}[a.cli_itl],
                   a.cli_stop_at_summary, tuple(int(c) for c in a.cli_concurrency.split(",")), a.cli_analyze)
     if a.cli_only:
         return
+    build = "compiled" if kvcap.sim.NATIVE else "sources"
+    engine = engine_rows(a.requests)
+    for r in engine:
+        r["case"] += f" ({build})"
+    sources: list[dict[str, Any]] = []
+    if kvcap.sim.NATIVE:  # the same cases from the sources, in a fresh process (the build is chosen at import)
+        proc = subprocess.run([sys.executable, __file__, "--engine-json", "--requests", str(a.requests)],
+                              capture_output=True, text=True, check=True, env=os.environ | {"KVCAP_PURE": "1"})
+        sources = json.loads(proc.stdout)
+        for r in sources:
+            r["case"] += " (sources)"
     rows = [
-        case("control c=48, engine only", {}, 48, a.requests),
-        case("treatment (remote) c=96, engine only", {"serving.kv_offload": "remote"}, 96, a.requests),
+        *engine, *sources,
         case("control c=48, records + ITLs to disk", {}, 48, a.requests, to_disk=True),
         case("baseline: one event per step, c=48", {}, 48, a.baseline_requests, per_step=True),
     ]
-    print(f"{'case':42} {'requests':>9} {'wall s':>7} {'req/s':>9} {'× real time':>12} {'events':>9} {'MB':>6}")
+    print(f"{'case':50} {'requests':>9} {'wall s':>7} {'req/s':>9} {'× real time':>12} {'events':>9} {'MB':>6}")
     for r in rows:
-        print(f"{r['case']:42} {r['requests']:>9,} {r['wall_s']:>7.2f} {r['req_per_s']:>9,.0f} {r['realtime']:>12,.0f} "
+        print(f"{r['case']:50} {r['requests']:>9,} {r['wall_s']:>7.2f} {r['req_per_s']:>9,.0f} {r['realtime']:>12,.0f} "
               f"{r['events']:>9,} {r['mb_written']:>6.0f}")
+    if sources:
+        print("\ncompiled vs sources (KVCAP_PURE=1): " + ", ".join(
+            f"{c['case'].split(',')[0]} {c['req_per_s'] / p['req_per_s']:.2f}×" for c, p in zip(engine, sources)))
     base = rows[-1]["req_per_s"]
     print(f"\nspans vs one event per step: {rows[0]['req_per_s'] / base:.1f}× the simulated requests per second")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")

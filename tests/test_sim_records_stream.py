@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,29 +48,36 @@ def _live_requests() -> int:
     return sum(type(o) is SimRequest for o in gc.get_objects())
 
 
+class _Tap(RunWriter):
+    """The run's writer, also keeping each record as the old path dumped it (its ITLs a list of floats through
+    ``json.dumps``) and, every 150 records, the live SimRequest count."""
+
+    def __init__(self, out: Path, before: int):
+        super().__init__(out, flush_s=sim_run.FLUSH_S)
+        self.old: list[str] = []
+        self.live: list[int] = []
+        self.before = before
+
+    def record(self, rec: Any) -> None:
+        itl = rec["itl_ms"]
+        listed = rec | {"itl_ms": itl.tolist() if isinstance(itl, np.ndarray) else itl}
+        self.old.append(json.dumps(listed, separators=(",", ":"), allow_nan=False))
+        if len(self.old) % 150 == 0:
+            self.live.append(_live_requests() - self.before)
+        super().record(rec)
+
+
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two levels of the issue's case (seed-reference, remote tier; c = 32 and c = 96, which parks) written by
-    the run's writer, beside each record as the old path built and dumped it, and the live SimRequest count."""
+    the run's writer, beside each record as the old path dumped it, and the live SimRequest count."""
     out = tmp_path_factory.mktemp("stream")
     sc = load_scenario(ROOT / "scenarios" / "seed-reference.yaml", {"serving.kv_offload": "remote"})
     cm = cluster_model(sc)
     plan = LoadPlan(mode="concurrency", levels=(32.0, 96.0), warmup_s=0.0, duration_s=None,
                     requests=REQUESTS_PER_LEVEL, repeats=1)
-    writer = RunWriter(out, flush_s=sim_run.FLUSH_S)
-    old: list[str] = []
-    live: list[int] = []
+    writer = _Tap(out, _live_requests())  # what earlier tests in this process left behind is not counted
     on_disk: list[int] = []
-    new_record_of = sim_run.record_of
-    before = _live_requests()  # what earlier tests in this process left behind
-
-    def tap(req: SimRequest, offset: float, record_itl: bool = True, itl_array: bool = False) -> Any:
-        old.append(json.dumps(record_of(req, offset, record_itl), separators=(",", ":"), allow_nan=False))
-        if len(old) % 150 == 0:
-            live.append(_live_requests() - before)
-        return new_record_of(req, offset, record_itl, itl_array)
-
-    sim_run.record_of = tap  # type: ignore[assignment]
     try:
         offset = 0.0
         for level in plan.levels:
@@ -77,10 +85,28 @@ def streamed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             on_disk.append(len((out / REQUESTS).read_bytes().splitlines()))  # flushed at the level's end
             offset += length + sim_run.LEVEL_GAP_S
     finally:
-        sim_run.record_of = new_record_of  # type: ignore[assignment]
         writer.close()
-    return {"records": RunDir(out).records(), "old": [json.loads(line) for line in old], "live": live,
-            "on_disk": on_disk, "levels": RunDir(out).levels()}
+    return {"records": RunDir(out).records(), "old": [json.loads(line) for line in writer.old],
+            "live": writer.live, "on_disk": on_disk, "levels": RunDir(out).levels()}
+
+
+def test_the_record_is_the_same_with_itls_as_a_vector_or_a_list() -> None:
+    """``record_of``'s two ITL forms give the same record once written (the vector is the streamed path's)."""
+    sc = load_scenario(ROOT / "scenarios" / "seed-reference.yaml")
+    plan = LoadPlan(mode="concurrency", levels=(8.0,), warmup_s=0.0, duration_s=None, requests=40, repeats=1)
+    sim = cluster_model(sc).build()
+    done: list[SimRequest] = []
+    sim.on_finish = lambda req, now: done.append(req)
+    for i in range(8):
+        sim.submit(SimRequest(rid=i + 1, arrival=0.0, prompt=1024, max_out=64 + i, tags={
+            "mode": plan.mode, "level": 8, "repeat": 0, "phase": "measure"}), 0.0)
+    sim.run_until(1e9)
+    assert len(done) == 8
+    for req in done:
+        vec, lst = record_of(req, 5.0, itl_array=True), record_of(req, 5.0)
+        assert isinstance(vec["itl_ms"], np.ndarray) and isinstance(lst["itl_ms"], list)
+        assert len(lst["itl_ms"]) == req.max_out - 1
+        assert vec | {"itl_ms": vec["itl_ms"].tolist()} == lst
 
 
 def test_streamed_records_equal_the_old_path(streamed: dict[str, Any]) -> None:
@@ -121,24 +147,23 @@ def test_no_request_is_kept_once_recorded(streamed: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ open loop: the schedule is fed, not submitted
 
-class _Eager(sim_run._LevelRun):
-    """The old open loop: every scheduled request built and submitted before the clock starts."""
+def _eager(run: sim_run._LevelRun) -> None:
+    """The old open loop's start: every scheduled request built and submitted before the clock starts (a function,
+    not a subclass: the compiled ``_LevelRun`` is a native class)."""
+    run.specs = [(t, *run.lengths.next(), ()) for t in rate_schedule(run.plan, run.level, run.repeat)]
+    for t, i_tok, o_tok, hashes in run.specs:
+        req = run.new_request(t, i_tok, o_tok, tuple(hashes))
+        if req.tags["phase"] == "measure":
+            run.last_measured = t
+        run.sim.submit(req, t)
 
-    def start_load(self) -> None:
-        self.specs = [(t, *self.lengths.next(), ()) for t in rate_schedule(self.plan, self.level, self.repeat)]
-        for t, i_tok, o_tok, hashes in self.specs:
-            req = self.new_request(t, i_tok, o_tok, tuple(hashes))
-            if req.tags["phase"] == "measure":
-                self.last_measured = t
-            self.sim.submit(req, t)
 
-
-def _open_loop(cls: type[sim_run._LevelRun], out: Path, rate: float) -> dict[str, Any]:
+def _open_loop(start: Callable[[sim_run._LevelRun], None], out: Path, rate: float) -> dict[str, Any]:
     """One open-loop level (remote tier) written to ``out``, with the live SimRequest count every 100 records."""
     sc = load_scenario(ROOT / "scenarios" / "seed-reference.yaml", {"serving.kv_offload": "remote"})
     plan = LoadPlan(mode="rate", levels=(rate,), warmup_s=5.0, duration_s=120.0 if rate < 10 else 40.0, repeats=1)
     writer = RunWriter(out)
-    run = cls(cluster_model(sc), plan, rate, 0, 0.0, writer, True)
+    run = sim_run._LevelRun(cluster_model(sc), plan, rate, 0, 0.0, writer, True)
     live: list[int] = []
     finish = run.on_finish
     before = _live_requests()
@@ -149,7 +174,7 @@ def _open_loop(cls: type[sim_run._LevelRun], out: Path, rate: float) -> dict[str
             live.append(_live_requests() - before)
 
     run.sim.on_finish = counted
-    run.start_load()
+    start(run)
     t_end, cancelled = run.run()
     writer.level(run.info(t_end, 1.0, len(cancelled)))
     writer.close()
@@ -158,8 +183,8 @@ def _open_loop(cls: type[sim_run._LevelRun], out: Path, rate: float) -> dict[str
 
 @pytest.mark.parametrize("rate", [4.0, 30.0])  # within capacity; far past it (cancelled at the drain limit)
 def test_a_fed_schedule_runs_as_the_submitted_one(tmp_path: Path, rate: float) -> None:
-    fed = _open_loop(sim_run._LevelRun, tmp_path / "fed", rate)
-    eager = _open_loop(_Eager, tmp_path / "eager", rate)
+    fed = _open_loop(sim_run._LevelRun.start_load, tmp_path / "fed", rate)
+    eager = _open_loop(_eager, tmp_path / "eager", rate)
     assert fed["dir"].records() == eager["dir"].records()
     assert fed["dir"].levels() == eager["dir"].levels()
     assert fed["dir"].telemetry() == eager["dir"].telemetry()

@@ -17,4 +17,12 @@ May import: :mod:`kvcap.plan`, :mod:`kvcap.specs`, :mod:`kvcap.workload`, :mod:`
 :mod:`kvcap.errors`, :mod:`kvcap.aio` and the package root (``__version__``). Never :mod:`kvcap.testing`,
 ``loadgen``, ``report``, ``cli`` or ``experiment``: they sit above the simulator (``experiment`` and ``cli``
 drive it), and test doubles must not leak into it.
+
+``native`` picks the build: the modules compiled by ``setup.py`` (mypyc) when they match these sources, else the
+sources (``NATIVE`` says which runs).
 """
+
+from kvcap.sim.native import choose
+
+NATIVE = choose()
+"""The compiled simulator runs (False: the ``.py`` sources, e.g. ``KVCAP_PURE=1`` or an edited source)."""

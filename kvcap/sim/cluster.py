@@ -30,6 +30,9 @@ class ClusterModel:
     scenario: Scenario
     inputs: PlanInputs
     plan: PlanResult
+    max_span: int | None = None
+    """Longest decode span in steps (1: one event per step, as step-level simulators advance; a benchmark's
+    baseline). None: as long as nothing changes."""
 
     @property
     def replicas(self) -> int:
@@ -72,8 +75,10 @@ class ClusterModel:
                 nic_links=tuple(nics[n] for n in nodes), policy=policy, blocks_for=blocks_for,
                 max_model_len=inputs.model.max_position_embeddings or None))
         overhead = sv.step_cost.per_request if sv.step_cost is not None else 0.0
-        return Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish,
-                          request_overhead_s=overhead)
+        sim = Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish,
+                         request_overhead_s=overhead)
+        sim.max_span = self.max_span
+        return sim
 
 
 def _cost(cm: ClusterModel) -> CostModel | EmpiricalCost:

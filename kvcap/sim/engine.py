@@ -117,6 +117,7 @@ class Simulation:
         heappop = heapq.heappop
         keys, n_fed = self._feed_keys, len(self._feed_keys)
         cap = max_events if max_events is not None else math.inf
+        obj: Any
         while True:
             if n_fed and self._feed_pos < n_fed and keys[self._feed_pos] <= t_end and (
                     not heap or keys[self._feed_pos] <= heap[0][0]):

@@ -28,7 +28,11 @@ class BlockPool:
     def __init__(self, capacity: int, block_size: int, hash_block_tokens: int,
                  blocks_for: Callable[[int], int] | None = None):
         self.capacity = capacity
-        self.blocks_for: Callable[[int], int] = blocks_for or (lambda t, b=block_size: -(-t // b))
+
+        def ceil_blocks(tokens: int) -> int:
+            return -(-tokens // block_size)
+
+        self.blocks_for: Callable[[int], int] = blocks_for or ceil_blocks
         """Blocks a sequence of T tokens needs (default ceil(T / block_size): full-attention models)."""
         self.block_size = 0 if blocks_for else block_size
         """Nonzero when ``blocks_for`` is ceil(T / block_size), so hot loops compute it inline."""

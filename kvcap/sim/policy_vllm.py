@@ -184,7 +184,7 @@ class VllmPolicy:
             else:
                 hit = 0
             need = hbm.private_need(req, req.target)
-            whole = not cfg.chunked_prefill and req.target - req.kv > budget and (batch.decoders or batch.prefills)
+            whole = not cfg.chunked_prefill and req.target - req.kv > budget and bool(batch.decoders or batch.prefills)
             if rep.parking and need > hbm.free() - self._growth_reserve(rep):
                 whole = True  # the blocks left are promised to the decoders' growth
             if whole or not hbm.take(need):

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from kvcap.rundir import (
     tpot_ms,
     write_json_atomic,
 )
+from kvcap.sim import NATIVE
 from kvcap.sim.cluster import ClusterModel, cluster_model
 from kvcap.sim.policy_llamacpp import REQUESTED_OUT
 from kvcap.sim.request import SimRequest
@@ -222,7 +223,7 @@ class _LevelRun:
             self.errors += 1
         self.writer.record(rec)
         if self.columns is not None:
-            self.columns.add(rec, self.offset + max(self.window_end(now), self.measure_start))
+            self.columns.add(cast(dict[str, Any], rec), self.offset + max(self.window_end(now), self.measure_start))
         if self.mode == "concurrency":
             self.issue(now)
 
@@ -335,7 +336,7 @@ class _LevelRun:
             "achieved_rate": round(self.measured / window, 4) if self.mode == "rate" else None,
             "client": {"warnings": []}, "interrupted": False,
             "sim": {"events": self.sim.events, "wall_s": round(wall, 4), "simulated_s": round(t_end, 4),
-                    "realtime_factor": round(t_end / wall, 1) if wall > 0 else None,
+                    "realtime_factor": round(t_end / wall, 1) if wall > 0 else None, "native": NATIVE,
                     "preemptions": sum(r.preemptions for r in reps),
                     "running_peak": max(r.running_peak for r in reps),
                     "waiting_peak": max(r.waiting_peak for r in reps),

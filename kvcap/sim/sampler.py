@@ -35,10 +35,10 @@ class Sampler:
         self.sim, self.offset, self.emit, self.thin = sim, offset, emit, thin
         self.copy = copy
         """Where the rows also go as arrays (``telemetry.columns``), in the order they are emitted."""
-        self._last: list[float] | None = None
+        self._last: list[int | float] | None = None
         """The latest sample's values, series by series (thin)."""
         self._last_ts = 0.0
-        self._pending: list[tuple[float, int, float]] = []
+        self._pending: list[tuple[float, int, int | float]] = []
         """The latest sample's changed values (t_s, series, value), held back until the next sample shows it was
         not the level's last."""
         self.next_t = 0.0
@@ -76,10 +76,10 @@ class Sampler:
                 out.append(("server.kv_tier_usage", {"tier": name} | ({"node": f"n{i}"} if name == "host" else {})))
         return out
 
-    def _values(self, t: float) -> list[float]:
+    def _values(self, t: float) -> list[int | float]:
         """Every series' value at ``t`` (counters as rates over the last ``SAMPLE_S``), in ``series`` order."""
         sim, tiers, first = self.sim, self.tiers, t <= 0
-        values: list[float] = []
+        values: list[int | float] = []
         add = values.append
         for rep in sim.replicas:
             add(len(rep.running))
@@ -107,11 +107,11 @@ class Sampler:
                 add(round(tier.used / tier.capacity, 5) if tier.capacity else 0.0)
         return values
 
-    def _row(self, ts: float, i: int, value: float) -> dict[str, Any]:
+    def _row(self, ts: float, i: int, value: int | float) -> dict[str, Any]:
         name, labels = self.series[i]
         return {"t_s": ts, "source": "sim", "name": name, "labels": labels, "value": value}
 
-    def _emit(self, samples: list[tuple[float, int, float]], hold: float | None) -> None:
+    def _emit(self, samples: list[tuple[float, int, int | float]], hold: float | None) -> None:
         """Rows for (t_s, series, value) samples, each marked held ``hold`` seconds when given."""
         if hold is None:
             rows = [self._row(ts, i, v) for ts, i, v in samples]
