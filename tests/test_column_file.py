@@ -79,6 +79,22 @@ def test_the_column_file_gives_the_jsonls_summary_on_every_key(case: str, tmp_pa
     assert from_columns == _jsonl_summary(out, monkeypatch)
 
 
+def test_analyze_writes_the_copies_a_run_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run without copies (an older version's, or deleted): ``kvcap analyze`` parses the JSONL and leaves the
+    copies, which the next analysis reads for the same summary."""
+    out = tmp_path / "run"
+    _sim(out, "--concurrency", "4,8", "--requests", "80", "--warmup", "0s", "--repeats", "1")
+    before = _summary(out)
+    for name in COLUMN_COPIES:
+        (out / name).unlink()
+    p = run_cli("analyze", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    assert all((out / name).exists() for name in COLUMN_COPIES)
+    read = _reads_columns(monkeypatch)
+    assert _summary(out) == before == _jsonl_summary(out, monkeypatch)
+    assert sum(read["requests"]) == _lines(out / REQUESTS) and sum(read["telemetry"]) == _lines(out / TELEMETRY)
+
+
 def test_a_copy_that_keeps_the_times_keeps_the_columns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
     _sim(out, "--concurrency", "4,8", "--requests", "80", "--warmup", "0s", "--repeats", "1")

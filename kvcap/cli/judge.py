@@ -53,7 +53,9 @@ def cmd_analyze(a: argparse.Namespace) -> int:
 
     run = RunDir(a.dir)
     old = run.summary or {}
-    summary = build_summary(run, slo=common.optional_slo(a.slo))
+    # the column copies written where missing or stale (a run of an older version, copies deleted): the next
+    # analyze, report or compare of a big run skips the JSON parse
+    summary = build_summary(run, slo=common.optional_slo(a.slo), write_copies=True)
     for key in KEPT_SUMMARY_KEYS:
         if key in old:
             summary[key] = old[key]
