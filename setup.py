@@ -20,7 +20,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 NATIVE = ("batch_shape", "cluster", "cost", "cost_empirical", "engine", "kv", "links", "model_shape", "policy",
-          "policy_llamacpp", "policy_vllm", "replica", "request", "roofline", "run", "sampler")
+          "policy_llamacpp", "policy_vllm", "replica", "request", "roofline", "rounding", "run", "sampler")
 """``kvcap/sim`` modules compiled (not ``server``: aiohttp's handlers; not ``calibration_io``: pydantic models)."""
 GROUP = "kvcap.sim._native"
 """The shared library every compiled module lives in (``kvcap/sim/_native__mypyc*.so``)."""

@@ -15,6 +15,7 @@ from typing import Any
 from kvcap.analysis.column_file import TelemetryWriter
 from kvcap.analysis.telemetry import HOLD
 from kvcap.sim.engine import Simulation
+from kvcap.sim.rounding import round_to
 
 SAMPLE_S = 1.0
 
@@ -86,25 +87,25 @@ class Sampler:
             add(len(rep.waiting))
             if tiers:
                 add(len(rep.parked) + rep.moving)
-            add(round(rep.kv_usage(t), 5))
+            add(round_to(rep.kv_usage(t), 5))
             add(rep.preemptions)
             add(rep.prompt_tokens)
             add(rep.generation_tokens)
             busy = rep.busy_at(t)
-            add(0.0 if first else round(min(1.0, (busy - self._busy[rep.index]) / SAMPLE_S), 5))
+            add(0.0 if first else round_to(min(1.0, (busy - self._busy[rep.index]) / SAMPLE_S), 5))
             self._busy[rep.index] = busy
         if self.links:
             sim.links.advance(t)
             for link in self.links:
                 moved, tx = link.moved_bytes - self._moved[id(link)], link.tx_bytes - self._tx[id(link)]
                 self._moved[id(link)], self._tx[id(link)] = link.moved_bytes, link.tx_bytes
-                add(0.0 if first else round(moved / SAMPLE_S / link.nominal_bytes_s, 5))
+                add(0.0 if first else round_to(moved / SAMPLE_S / link.nominal_bytes_s, 5))
                 if link.kind == "nic":
-                    add(0.0 if first else round(tx / SAMPLE_S, 1))
-                    add(0.0 if first else round((moved - tx) / SAMPLE_S, 1))
+                    add(0.0 if first else round_to(tx / SAMPLE_S, 1))
+                    add(0.0 if first else round_to((moved - tx) / SAMPLE_S, 1))
         for group in sim.tiers.values():
             for tier in group:
-                add(round(tier.used / tier.capacity, 5) if tier.capacity else 0.0)
+                add(round_to(tier.used / tier.capacity, 5) if tier.capacity else 0.0)
         return values
 
     def _row(self, ts: float, i: int, value: int | float) -> dict[str, Any]:
@@ -129,7 +130,7 @@ class Sampler:
             self.next_t += SAMPLE_S
 
     def sample(self, t: float) -> None:
-        ts = round(self.offset + t, 6)
+        ts = round_to(self.offset + t, 6)
         values = self._values(t)
         if not self.thin:
             self._emit([(ts, i, v) for i, v in enumerate(values)], None)
