@@ -1,10 +1,12 @@
 """Build hook: the simulator's event loop compiled to C with mypyc where it can be, plain Python where it cannot.
 
 Why: the simulator's time is Python's per-step work (a policy decision, a batch, its tokens); the same code
-compiled runs ~2× faster (``benchmarks/sim_speed.py --pure``). Nothing else changes: the compiled modules are
-the ``.py`` sources, and ``kvcap.sim`` loads those sources instead whenever the build does not match them (an
-edited file, ``KVCAP_PURE=1``, a build that failed). Without a C compiler, Python headers or mypy (``KVCAP_PURE=1``
-at install time skips it) the install is plain Python and says so.
+compiled runs ~2× faster (``benchmarks/sim_speed.py``). Nothing else changes: the compiled modules are the ``.py``
+sources, and ``kvcap.sim.native`` loads those sources instead whenever the build does not match them. The manifest
+it checks (``kvcap/sim/_native.<abi>.json``, one per Python ABI, written only when every extension was built)
+holds the SHA-256 of every ``kvcap`` source as mypyc read it — the compiled modules and every module whose types
+they were compiled against. Without a C compiler, Python's headers or mypy (or with ``KVCAP_PURE=1``) the install
+is plain Python; ``kvcap sim`` then says so.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import setup
@@ -21,48 +24,68 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 NATIVE = ("batch_shape", "cluster", "cost", "cost_empirical", "engine", "kv", "links", "model_shape", "policy",
           "policy_llamacpp", "policy_vllm", "replica", "request", "roofline", "rounding", "run", "sampler")
-"""``kvcap/sim`` modules compiled (not ``server``: aiohttp's handlers; not ``calibration_io``: pydantic models)."""
+"""``kvcap/sim`` modules compiled (not ``server``: aiohttp's handlers; not ``calibration_io``: pydantic models;
+not ``native``: it chooses the build)."""
 GROUP = "kvcap.sim._native"
 """The shared library every compiled module lives in (``kvcap/sim/_native__mypyc*.so``)."""
-MANIFEST = "_native.json"
-"""Written beside the compiled modules: each source's SHA-256, so a stale build is never loaded."""
+SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+MANIFEST = f"_native{os.path.splitext(SUFFIX)[0]}.json"
+"""Beside the compiled modules, for this Python's ABI only (``kvcap/sim/native.py`` reads the same name)."""
+BUILT: dict[str, str] = {}
+"""Each ``kvcap`` source's SHA-256 as mypyc compiled it (relative path → hex), for the manifest."""
 
 
 def _warn(msg: str) -> None:
     print(f"kvcap: {msg}; the simulator stays plain Python (correct, about half as fast)", file=sys.stderr)
 
 
+def _sources() -> dict[str, str]:
+    return {p.relative_to(ROOT).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((ROOT / "kvcap").rglob("*.py"))}
+
+
 def _extensions() -> list:
-    if os.environ.get("KVCAP_PURE"):
+    if os.environ.get("KVCAP_PURE", "") not in ("", "0"):
         return []
     try:
         from mypyc.build import mypycify
     except ImportError:
         _warn("mypyc is not installed")
         return []
-    paths = [f"kvcap/sim/{m}.py" for m in NATIVE]
+    before = _sources()
     try:
-        return mypycify(["--follow-imports=silent", "--ignore-missing-imports", *paths], opt_level="3",
-                        group_name=GROUP)
+        exts = mypycify(["--follow-imports=silent", "--ignore-missing-imports",
+                         *(f"kvcap/sim/{m}.py" for m in NATIVE)], opt_level="3", group_name=GROUP)
     except (Exception, SystemExit) as e:  # a type error mypyc refuses: build nothing, never fail the install
         _warn(f"mypyc could not compile the simulator ({e})")
         return []
+    if _sources() != before:
+        _warn("a source changed while mypyc read it")
+        return []
+    BUILT.update(before)
+    return exts
 
 
 class OptionalBuildExt(build_ext):
-    """Compile what can be compiled; a missing compiler or header is a warning, not a failed install. The
-    manifest is written only when every extension was built."""
+    """Compile what can be compiled; a missing compiler or header is a warning, not a failed install. Whatever an
+    earlier build left for this ABI (a module no longer compiled, a failed build's pieces, its manifest) is removed
+    first, and the manifest is written only when every extension was built."""
 
     def run(self) -> None:
+        target = Path(self.get_ext_fullpath(f"kvcap.sim.{NATIVE[0]}")).parent
+        (target / MANIFEST).unlink(missing_ok=True)
+        for old in target.glob(f"*{SUFFIX}"):
+            old.unlink()
+        if not self.extensions or not BUILT:
+            return
         try:
             super().run()
         except Exception as e:
             _warn(f"the C build failed ({e})")
             return
-        sources = {m: hashlib.sha256((ROOT / "kvcap" / "sim" / f"{m}.py").read_bytes()).hexdigest() for m in NATIVE}
-        dest = Path(self.get_ext_fullpath(f"kvcap.sim.{NATIVE[0]}")).parent
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / MANIFEST).write_text(json.dumps({"group": GROUP, "sources": sources}, indent=1) + "\n")
+        target.mkdir(parents=True, exist_ok=True)
+        (target / MANIFEST).write_text(json.dumps({"group": GROUP, "modules": list(NATIVE), "sources": BUILT},
+                                                  indent=1) + "\n")
 
     def get_outputs(self) -> list[str]:
         manifest = Path(self.get_ext_fullpath(f"kvcap.sim.{NATIVE[0]}")).parent / MANIFEST

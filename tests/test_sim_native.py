@@ -29,11 +29,12 @@ VOLATILE = ("wall_s", "realtime_factor", "native")
 """Level-line keys that differ between two runs of the same simulation (wall time) or name the build."""
 
 
-def _sim(out: Path, pure: bool, *args: str) -> None:
+def _sim(out: Path, pure: bool, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "KVCAP_PURE"} | ({"KVCAP_PURE": "1"} if pure else {})
     p = subprocess.run([sys.executable, "-m", "kvcap", "sim", *args, "--out", str(out), "--quiet"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
+    return p.stderr
 
 
 def _levels(out: Path) -> list[dict]:
@@ -80,8 +81,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_compiled_simulator_writes_what_its_sources_write(tmp_path: Path, case: str) -> None:
     args = CASES[case](tmp_path)
-    _sim(tmp_path / "native", False, *args)
-    _sim(tmp_path / "pure", True, *args)
+    said = _sim(tmp_path / "native", False, *args), _sim(tmp_path / "pure", True, *args)
+    assert "Python sources" not in said[0] and "ran from its Python sources, about half as fast: KVCAP_PURE" in said[1]
     for name in ("requests.jsonl", "telemetry.jsonl"):
         native_bytes, pure_bytes = (tmp_path / "native" / name).read_bytes(), (tmp_path / "pure" / name).read_bytes()
         assert native_bytes.count(b"\n") > 100
@@ -94,46 +95,64 @@ def test_the_compiled_simulator_writes_what_its_sources_write(tmp_path: Path, ca
 
 
 def test_the_test_environment_runs_the_compiled_simulator() -> None:
-    """The README's test command builds it (a C compiler and Python's headers are there): the byte-for-byte test
-    above compares two builds only when this holds. False here: a source changed since the last
+    """The README's test command builds it (and installs a C compiler and Python's headers where missing): the
+    byte-for-byte test above compares two builds only when this holds. False here: a source changed since the last
     ``pip install -e .`` (``./scripts/test`` reinstalls), or the build failed (``pip install -v`` says why)."""
+    if native.pure_asked():
+        pytest.skip("KVCAP_PURE asks for the sources")
     assert kvcap.sim.NATIVE, "kvcap.sim runs from its sources: reinstall (pip install -e .) to compile it"
 
 
-def test_a_build_that_does_not_match_its_sources_is_not_loaded(tmp_path: Path) -> None:
-    """The guard on a copy of the manifest and sources: one changed byte in one source, a missing source, a
-    damaged manifest, ``KVCAP_PURE`` — each means the sources; the sources themselves load then (subprocess)."""
-    sim_dir = Path(kvcap.sim.__file__).parent
-    manifest = json.loads((sim_dir / "_native.json").read_text())
-    assert set(manifest["sources"]) >= {"engine", "replica", "policy_vllm", "run"}
-    copy = tmp_path / "sim"
-    copy.mkdir()
-    for name in manifest["sources"]:
-        shutil.copy(sim_dir / f"{name}.py", copy / f"{name}.py")
-    (copy / "_native.json").write_text(json.dumps(manifest))
-    assert native.built_from_these_sources(copy)
-    source = copy / "replica.py"
-    text = source.read_bytes()
-    source.write_bytes(text.replace(b"def load(self)", b"def load(self) ", 1))
-    assert hashlib.sha256(source.read_bytes()).hexdigest() != manifest["sources"]["replica"]
-    assert not native.built_from_these_sources(copy)
-    source.write_bytes(text)
-    (copy / "kv.py").unlink()
-    assert not native.built_from_these_sources(copy)
-    shutil.copy(sim_dir / "kv.py", copy / "kv.py")
-    (copy / "_native.json").write_text("{not json")
-    assert not native.built_from_these_sources(copy)
-    (copy / "_native.json").write_text(json.dumps(manifest | {"group": "kvcap.sim._nowhere"}))
-    assert not native.built_from_these_sources(copy)
-    (copy / "_native.json").write_text(json.dumps(manifest))
-    assert native.built_from_these_sources(copy)
-    os.environ["KVCAP_PURE"] = "1"
-    try:
-        assert not native.built_from_these_sources(copy)
-    finally:
-        del os.environ["KVCAP_PURE"]
+def _copy(tmp_path: Path) -> Path:
+    """Every ``kvcap`` source and this ABI's manifest, as an installed tree would hold them; its ``kvcap/sim``."""
+    src = Path(kvcap.sim.__file__).resolve().parents[1]
+    dst = tmp_path / "kvcap"
+    for path in src.rglob("*.py"):
+        (dst / path.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, dst / path.relative_to(src))
+    shutil.copy(src / "sim" / native.MANIFEST, dst / "sim" / native.MANIFEST)
+    return dst / "sim"
+
+
+def test_a_build_that_does_not_match_its_sources_is_not_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard on a copy of the tree: one changed byte in a compiled source or in a module whose types it was
+    compiled against, a missing source, a compiled module the manifest does not list, a damaged manifest, a
+    library that does not load, ``KVCAP_PURE`` — each means the sources; they load then (subprocess)."""
+    monkeypatch.delenv("KVCAP_PURE", raising=False)
+    here = _copy(tmp_path)
+    manifest = json.loads((here / native.MANIFEST).read_text())
+    assert {"kvcap/sim/engine.py", "kvcap/sim/replica.py", "kvcap/plan/memory.py"} <= set(manifest["sources"])
+    assert set(manifest["modules"]) >= {"engine", "replica", "policy_vllm", "run", "rounding"}
+    assert native.built_from_these_sources(here)
+    for rel in ("sim/replica.py", "plan/memory.py"):
+        source = here.parent / rel
+        text = source.read_bytes()
+        source.write_bytes(text + b" ")
+        assert hashlib.sha256(source.read_bytes()).hexdigest() != manifest["sources"][f"kvcap/{rel}"]
+        assert not native.built_from_these_sources(here), rel
+        source.write_bytes(text)
+        assert native.built_from_these_sources(here)
+    (here / "kv.py").rename(here / "kv.off")
+    assert not native.built_from_these_sources(here)
+    (here / "kv.off").rename(here / "kv.py")
+    stray = here / f"dropped{native.SUFFIX}"  # a module an earlier build compiled and this one does not
+    stray.write_bytes(b"")
+    assert not native.built_from_these_sources(here)
+    stray.unlink()
+    (here / native.MANIFEST).write_text("{not json")
+    assert not native.built_from_these_sources(here)
+    (here / native.MANIFEST).write_text(json.dumps(manifest | {"group": "kvcap.sim._nowhere"}))
+    assert not native.built_from_these_sources(here)
+    (here / native.MANIFEST).write_text(json.dumps(manifest))
+    assert native.built_from_these_sources(here)
+    monkeypatch.setenv("KVCAP_PURE", "0")
+    assert native.built_from_these_sources(here)
+    monkeypatch.setenv("KVCAP_PURE", "1")
+    assert not native.built_from_these_sources(here)
     probe = ("import kvcap.sim, kvcap.sim.replica, kvcap.sim.engine as e; "
              "print(kvcap.sim.NATIVE, kvcap.sim.replica.__file__, e.__file__)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    elsewhere = tmp_path / "elsewhere"  # not beside the copy: the installed kvcap is imported
+    elsewhere.mkdir()
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=elsewhere,
                          env=os.environ | {"KVCAP_PURE": "1"}, check=True).stdout.split()
     assert out[0] == "False" and out[1].endswith("replica.py") and out[2].endswith("engine.py")

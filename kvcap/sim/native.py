@@ -2,9 +2,11 @@
 these very sources, else the ``.py`` sources themselves.
 
 Why a guard: Python imports a compiled extension ahead of its source, so an edited source, a partial build or
-one for another checkout would silently run an older simulator. The build writes each compiled source's SHA-256
-to ``_native.json``; here they are compared (under a millisecond) and, on any doubt or with ``KVCAP_PURE=1``,
-every ``kvcap.sim`` module is loaded from its ``.py`` file. Both builds give the same records, byte for byte
+one for another checkout would silently run an older simulator. The build writes, for its Python ABI, the
+SHA-256 of every ``kvcap`` source as it compiled them (a compiled module bakes in the types of what it imports)
+and the modules it compiled; here they are compared (a few ms) and, on any doubt — a changed or missing source,
+a compiled module the manifest does not list, a library that does not load, ``KVCAP_PURE=1`` — every
+``kvcap.sim`` module is loaded from its ``.py`` file. Both builds give the same records, byte for byte
 (``tests/test_sim_native.py``).
 """
 
@@ -16,25 +18,37 @@ import importlib.util
 import json
 import os
 import sys
+import sysconfig
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MANIFEST = "_native.json"
+SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+MANIFEST = f"_native{os.path.splitext(SUFFIX)[0]}.json"
+"""This ABI's manifest (``setup.py`` writes it under the same name)."""
 PACKAGE = __name__.rpartition(".")[0]
 
 
+def pure_asked() -> bool:
+    return os.environ.get("KVCAP_PURE", "") not in ("", "0")
+
+
 def built_from_these_sources(here: Path = HERE) -> bool:
-    """The compiled build is in ``here``, loads, and every compiled module's source is the one it was built
-    from."""
-    if os.environ.get("KVCAP_PURE"):
+    """The compiled build in ``here`` (``kvcap/sim``) was built from the sources beside it, every compiled module
+    there is one it built, and its library loads."""
+    if pure_asked():
         return False
     try:
         built = json.loads((here / MANIFEST).read_text())
-        for name, digest in built["sources"].items():
-            if hashlib.sha256((here / f"{name}.py").read_bytes()).hexdigest() != digest:
+        root = here.parent.parent
+        for rel, digest in built["sources"].items():
+            if hashlib.sha256((root / rel).read_bytes()).hexdigest() != digest:
                 return False
-        importlib.import_module(f"{built['group']}__mypyc")
+        group = built["group"]
+        listed = {*built["modules"], group.rpartition(".")[2] + "__mypyc"}
+        if any(p.name[: -len(SUFFIX)] not in listed for p in here.glob(f"*{SUFFIX}")):
+            return False
+        importlib.import_module(f"{group}__mypyc")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError):
         return False
     return True
