@@ -106,6 +106,7 @@ def test_the_test_environment_runs_the_compiled_simulator() -> None:
 def _copy(tmp_path: Path) -> Path:
     """Every ``kvcap`` source and this ABI's manifest, as an installed tree would hold them; its ``kvcap/sim``."""
     src = Path(kvcap.sim.__file__).resolve().parents[1]
+    assert (src / "sim" / native.MANIFEST).exists(), "no compiled build: reinstall (pip install -e .) to compile it"
     dst = tmp_path / "kvcap"
     for path in src.rglob("*.py"):
         (dst / path.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
