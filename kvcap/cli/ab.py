@@ -114,7 +114,7 @@ async def _run_real_ab(exp: Any, out: Path, quiet: bool) -> dict:
     return await common.with_live_progress(quiet, lambda progress: run_experiment(exp, out, progress, stop))
 
 
-def run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, quiet: bool) -> int:
+def run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, quiet: bool, prog: str = "ab") -> int:
     """Simulates both arms of a scenario experiment (`--set` applies to both), compares, reports and prints."""
     from kvcap.experiment import run_sim_experiment
     from kvcap.specs.scenario import parse_set
@@ -125,6 +125,7 @@ def run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, qu
     result = run_sim_experiment(exp, out, parse_set(sets), progress=show)
     _write_and_show(result, out, as_json, footer=lambda: f"simulated both arms in {time.perf_counter() - t0:.1f} s; "
                                                          f"report: {out / 'report.html'}")
+    common.print_build_note(prog)
     return 0
 
 

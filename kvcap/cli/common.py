@@ -175,6 +175,18 @@ def print_notes(prog: str, summary: dict[str, Any]) -> None:
         print(f"kvcap {prog}: {summary['failed']}", file=sys.stderr)
 
 
+def print_build_note(prog: str) -> None:
+    """On stderr, when the simulator ran from its sources rather than its compiled build (``kvcap.sim.native``)."""
+    import sys
+
+    from kvcap.sim import NATIVE
+    from kvcap.sim.native import speed_note
+
+    note = speed_note(NATIVE)
+    if note:
+        print(f"kvcap {prog}: note: {note}", file=sys.stderr)
+
+
 def exit_status(summary: dict[str, Any]) -> int:
     """130 (as after Ctrl-C) when the run was interrupted; 1 when it failed as a whole (``summary["failed"]``:
     stopped by the error rule, or no request succeeded — the records are kept, the sweep is not a result); else 0."""

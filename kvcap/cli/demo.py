@@ -38,4 +38,4 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from kvcap.experiment import load_any_experiment, packaged_scenario
 
     exp = load_any_experiment(str(packaged_scenario("seed-reference-ab.yaml")))
-    return run_sim_ab(exp, a.out, a.set, a.json, a.quiet)
+    return run_sim_ab(exp, a.out, a.set, a.json, a.quiet, prog="demo")

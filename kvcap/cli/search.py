@@ -91,6 +91,7 @@ def cmd_search(a: argparse.Namespace) -> int:
         render_search(search, read_jsonl(spec.out / "points.jsonl"))
         print(f"wrote {spec.out / 'points.jsonl'}, {spec.out / 'search.json'}, {spec.out / 'search.html'} "
               f"({search['points_per_min']} points/min, {search['executor']})")
+    common.print_build_note("search")
     return 130 if search.get("interrupted") else 0
 
 

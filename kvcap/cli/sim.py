@@ -143,13 +143,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
         render_levels(summary, title=f"kvcap sim → {cfg.out}")
         print(_speed_line(summary))
     common.print_notes("sim", summary)
-    from kvcap.sim import NATIVE
-    from kvcap.sim.native import pure_asked
-
-    if not NATIVE:  # the answer is the same; only its speed differs
-        print("kvcap sim: note: the simulator ran from its Python sources, about half as fast: "
-              + ("KVCAP_PURE is set" if pure_asked() else "no compiled build matches them (reinstall kvcap with "
-                 "pip; it needs a C compiler and Python's headers)"), file=sys.stderr)
+    common.print_build_note("sim")
     if cfg.scenario.calibration:
         from kvcap.calibrate.output import batch_extrapolation, queue_extrapolation
         from kvcap.rundir import RunDir

@@ -66,6 +66,15 @@ class _Sources:
         return importlib.util.spec_from_file_location(fullname, source)
 
 
+def speed_note(native: bool) -> str | None:
+    """What a command that simulated says when the sources ran (the answer is the same; only its speed differs)."""
+    if native:
+        return None
+    why = "KVCAP_PURE is set" if pure_asked() else ("no compiled build matches them (reinstall kvcap with pip; it "
+                                                    "needs a C compiler and Python's headers)")
+    return f"the simulator ran from its Python sources, about half as fast: {why}"
+
+
 def choose() -> bool:
     """True: the compiled modules load. False: the sources do (a finder ahead of the default ones)."""
     if built_from_these_sources():
