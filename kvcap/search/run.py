@@ -12,7 +12,8 @@ The search directory::
     DIR/search.key      what the search is (scenario, grid, overrides, load, prices, targets): ``--resume`` runs
                         only the points a search with the same key has not finished
 
-A point runs in a ``.partial`` folder renamed when it finishes, so an interrupted search leaves only whole points.
+A point runs in a ``.partial`` folder renamed when it finishes, so an interrupted search leaves only whole points
+(and only those it recorded).
 On Ray, a task writes into its node's temp folder and ships the files back: nodes need not share a disk.
 """
 
@@ -319,8 +320,12 @@ def run_search(spec: SearchSpec, progress: ProgressFn | None = None) -> dict[str
         close = getattr(results, "close", None)
         if close is not None:
             close()
-        for p in (spec.out / POINT_DIRS).glob("*" + PARTIAL):
-            shutil.rmtree(p, ignore_errors=True)
+        # only recorded points stay: a point in progress (its .partial) and one a worker finished while Ctrl-C
+        # stopped the driver before it was recorded (whole, but in no row: resume runs it again) both go
+        recorded = {r["run_dir"] for r in rows}
+        for p in (spec.out / POINT_DIRS).iterdir() if (spec.out / POINT_DIRS).is_dir() else ():
+            if str(p.relative_to(spec.out)) not in recorded:
+                shutil.rmtree(p, ignore_errors=True)
     return finish(spec, rows, len(tasks), interrupted, time.perf_counter() - wall0)
 
 
