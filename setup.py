@@ -11,11 +11,8 @@ is plain Python; ``kvcap sim`` then says so.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
+import importlib.util
 import sys
-import sysconfig
 from pathlib import Path
 
 from setuptools import setup
@@ -28,9 +25,11 @@ NATIVE = ("batch_shape", "cluster", "cost", "cost_empirical", "engine", "kv", "l
 not ``native``: it chooses the build)."""
 GROUP = "kvcap.sim._native"
 """The shared library every compiled module lives in (``kvcap/sim/_native__mypyc*.so``)."""
-SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-MANIFEST = f"_native{os.path.splitext(SUFFIX)[0]}.json"
-"""Beside the compiled modules, for this Python's ABI only (``kvcap/sim/native.py`` reads the same name)."""
+
+_spec = importlib.util.spec_from_file_location("kvcap_native_guard", ROOT / "kvcap" / "sim" / "native.py")
+native = importlib.util.module_from_spec(_spec)  # by its path: the package (numpy, …) is not importable here
+_spec.loader.exec_module(native)
+"""The guard that reads the manifest: its name per ABI, the source digests and the format come from there."""
 BUILT: dict[str, str] = {}
 """Each ``kvcap`` source's SHA-256 as mypyc compiled it (relative path → hex), for the manifest."""
 
@@ -39,27 +38,22 @@ def _warn(msg: str) -> None:
     print(f"kvcap: {msg}; the simulator stays plain Python (correct, about half as fast)", file=sys.stderr)
 
 
-def _sources() -> dict[str, str]:
-    return {p.relative_to(ROOT).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((ROOT / "kvcap").rglob("*.py"))}
-
-
 def _extensions() -> list:
-    if os.environ.get("KVCAP_PURE", "") not in ("", "0"):
+    if native.pure_asked():
         return []
     try:
         from mypyc.build import mypycify
     except ImportError:
         _warn("mypyc is not installed")
         return []
-    before = _sources()
+    before = native.digests(ROOT)
     try:
         exts = mypycify(["--follow-imports=silent", "--ignore-missing-imports",
                          *(f"kvcap/sim/{m}.py" for m in NATIVE)], opt_level="3", group_name=GROUP)
     except (Exception, SystemExit) as e:  # a type error mypyc refuses: build nothing, never fail the install
         _warn(f"mypyc could not compile the simulator ({e})")
         return []
-    if _sources() != before:
+    if native.digests(ROOT) != before:
         _warn("a source changed while mypyc read it")
         return []
     BUILT.update(before)
@@ -73,8 +67,8 @@ class OptionalBuildExt(build_ext):
 
     def run(self) -> None:
         target = Path(self.get_ext_fullpath(f"kvcap.sim.{NATIVE[0]}")).parent
-        (target / MANIFEST).unlink(missing_ok=True)
-        for old in target.glob(f"*{SUFFIX}"):
+        (target / native.MANIFEST).unlink(missing_ok=True)
+        for old in target.glob(f"*{native.SUFFIX}"):
             old.unlink()
         if not self.extensions or not BUILT:
             return
@@ -84,11 +78,10 @@ class OptionalBuildExt(build_ext):
             _warn(f"the C build failed ({e})")
             return
         target.mkdir(parents=True, exist_ok=True)
-        (target / MANIFEST).write_text(json.dumps({"group": GROUP, "modules": list(NATIVE), "sources": BUILT},
-                                                  indent=1) + "\n")
+        native.write_manifest(target, GROUP, list(NATIVE), BUILT)
 
     def get_outputs(self) -> list[str]:
-        manifest = Path(self.get_ext_fullpath(f"kvcap.sim.{NATIVE[0]}")).parent / MANIFEST
+        manifest = Path(self.get_ext_fullpath(f"kvcap.sim.{NATIVE[0]}")).parent / native.MANIFEST
         return [*super().get_outputs(), *([str(manifest)] if manifest.exists() else [])]
 
 

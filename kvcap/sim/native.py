@@ -25,12 +25,27 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 MANIFEST = f"_native{os.path.splitext(SUFFIX)[0]}.json"
-"""This ABI's manifest (``setup.py`` writes it under the same name)."""
+"""This ABI's manifest (``setup.py`` loads this module by its path to write it: one definition of the name, the
+digests and the format)."""
 PACKAGE = __name__.rpartition(".")[0]
 
 
 def pure_asked() -> bool:
     return os.environ.get("KVCAP_PURE", "") not in ("", "0")
+
+
+def digests(root: Path) -> dict[str, str]:
+    """Every ``kvcap`` source under ``root`` (the folder holding ``kvcap/``): relative path → SHA-256."""
+    return {p.relative_to(root).as_posix(): _digest(p) for p in sorted((root / "kvcap").rglob("*.py"))}
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_manifest(here: Path, group: str, modules: list[str], sources: dict[str, str]) -> None:
+    """What ``built_from_these_sources`` checks, written by the build once every extension is built."""
+    (here / MANIFEST).write_text(json.dumps({"group": group, "modules": modules, "sources": sources}, indent=1) + "\n")
 
 
 def built_from_these_sources(here: Path = HERE) -> bool:
@@ -41,9 +56,8 @@ def built_from_these_sources(here: Path = HERE) -> bool:
     try:
         built = json.loads((here / MANIFEST).read_text())
         root = here.parent.parent
-        for rel, digest in built["sources"].items():
-            if hashlib.sha256((root / rel).read_bytes()).hexdigest() != digest:
-                return False
+        if any(_digest(root / rel) != digest for rel, digest in built["sources"].items()):
+            return False
         group = built["group"]
         listed = {*built["modules"], group.rpartition(".")[2] + "__mypyc"}
         if any(p.name[: -len(SUFFIX)] not in listed for p in here.glob(f"*{SUFFIX}")):
