@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis.columns import LevelArrays, columns_of, read_columns
+from kvcap.analysis.column_reader import columns_of, read_columns
+from kvcap.analysis.columns import LevelArrays
 from kvcap.analysis.quantiles import ItlValues, percentiles
 from kvcap.analysis.stats import tokens_in_window
 from kvcap.analysis.summary import build_summary

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcap.analysis.columns import read_columns
+from kvcap.analysis.column_reader import read_columns
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
 

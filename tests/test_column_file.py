@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis import column_file, columns, telemetry
+from kvcap.analysis import column_file, column_reader, telemetry
 from kvcap.analysis.column_file import _itl_stored, stored_columns
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import COLUMN_COPIES, REQUESTS, TELEMETRY, RunDir, RunWriter
 
 from .conftest import run_cli
 from .servers import start_fake_server
-from .test_live_columns import CASES, SCENARIO
+from .test_record_columns import CASES, SCENARIO
 
 COLUMNS, COLUMNS_INDEX = column_file.copy_paths(Path(REQUESTS))
 _, TEL_INDEX = column_file.copy_paths(Path(TELEMETRY))
@@ -36,7 +36,7 @@ def _summary(out: Path) -> str:
 def _jsonl_summary(out: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """The summary from the JSONL files alone (both copies ignored)."""
     with monkeypatch.context() as m:
-        m.setattr(columns, "stored_columns", lambda path: None)
+        m.setattr(column_reader, "stored_columns", lambda path: None)
         m.setattr(telemetry, "stored_telemetry", lambda path: None)
         return _summary(out)
 
@@ -218,11 +218,12 @@ def test_an_interrupt_between_the_jsonl_and_its_copy_leaves_no_copy_trusted(tmp_
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while a chunk of records is being taken into columns: the JSONL has records the copy never got.
     The copy gets no index (so it is not read), and the run's own summary counts every record of the file."""
-    from kvcap.analysis import live_columns
+    from kvcap.analysis import record_columns
     from kvcap.cli import main
 
     calls = [0]
-    extract = live_columns._extract
+    extract = record_columns._extract
+    init = record_columns.RecordColumns.__init__
 
     def interrupted(*args: Any) -> Any:
         calls[0] += 1
@@ -230,14 +231,20 @@ def test_an_interrupt_between_the_jsonl_and_its_copy_leaves_no_copy_trusted(tmp_
             raise KeyboardInterrupt
         return extract(*args)
 
-    monkeypatch.setattr(live_columns, "_extract", interrupted)
+    def small_chunks(self: Any, sink: Any, chunk: int = 4096) -> None:
+        init(self, sink, 64)
+
+    monkeypatch.setattr(record_columns, "_extract", interrupted)
+    monkeypatch.setattr(record_columns.RecordColumns, "__init__", small_chunks)
     out = tmp_path / "run"
     main(["sim", SCENARIO, "--concurrency", "4,16", "--requests", "300", "--warmup", "0s", "--repeats", "1",
           "--out", str(out), "--quiet"])
-    monkeypatch.setattr(live_columns, "_extract", extract)
+    monkeypatch.setattr(record_columns, "_extract", extract)
+    assert calls[0] >= 2
     assert not (out / COLUMNS_INDEX).exists() and not (out / COLUMNS).exists()
     written = json.loads((out / "summary.json").read_text())
-    assert sum(lv["requests"] for lv in written["levels"]) == _lines(out / REQUESTS) == 600
+    assert written["interrupted"] is True
+    assert sum(lv["requests"] for lv in written["levels"]) == _lines(out / REQUESTS) > 64
 
 
 def test_a_changed_byte_in_the_copys_data_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,17 +296,17 @@ def test_a_level_without_its_line_is_counted_in_bounded_memory(copies: bool, tmp
         for name in COLUMN_COPIES:
             (out / name).unlink()
     second_reads: list[int] = []
-    again = columns._count_again
+    again = column_reader._count_again
 
     def counted(*args: Any) -> None:
         second_reads.append(1)
         again(*args)
 
-    monkeypatch.setattr(columns, "_count_again", counted)
-    monkeypatch.setattr(columns, "KEEP_ITL_MAX", 10**12)
+    monkeypatch.setattr(column_reader, "_count_again", counted)
+    monkeypatch.setattr(column_reader, "KEEP_ITL_MAX", 10**12)
     kept = _summary(out)
     assert not second_reads
-    monkeypatch.setattr(columns, "KEEP_ITL_MAX", 100)
+    monkeypatch.setattr(column_reader, "KEEP_ITL_MAX", 100)
     read = _reads_columns(monkeypatch)
     recounted = _summary(out)
     assert second_reads == [1]

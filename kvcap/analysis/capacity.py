@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.columns import LevelArrays
+from kvcap.analysis.level_blocks import Level, as_level
+from kvcap.analysis.quantiles import OrderStats
 from kvcap.analysis.telemetry import Points, Series, points
 
 MIN_SCALING = 0.10
@@ -33,11 +35,9 @@ def trend(t: np.ndarray, y: np.ndarray) -> dict[str, float] | None:
     return {"slope": slope, "lower95": slope - 1.645 * se, "span_s": float(np.ptp(t))}
 
 
-def stationarity(records: LevelArrays | list[dict[str, Any]], window: tuple[float, float] | None,
+def stationarity(records: Level | LevelArrays | list[dict[str, Any]], window: tuple[float, float] | None,
                  waiting: Series | Points | None = None) -> dict[str, Any]:
     """Is latency (or the server's queue) growing within the measured window?"""
-    a = records if isinstance(records, LevelArrays) else LevelArrays(records)
-    meas = a.measured & ~np.isnan(a.ttft)
     out: dict[str, Any] = {"source": None, "growing": False}
     if waiting:
         t, v = points(waiting)
@@ -51,15 +51,49 @@ def stationarity(records: LevelArrays | list[dict[str, Any]], window: tuple[floa
                 out.update(source="telemetry:server.requests_waiting", **tr, growth=growth,
                            growing=tr["lower95"] > 0 and growth >= 1.0)
                 return out
-    if np.count_nonzero(meas) >= 8:
-        t, y = a.start[meas], a.ttft[meas]
-        tr = trend(t, y)
-        if tr is not None:
-            growth = tr["slope"] * tr["span_s"]
-            med = float(np.median(y))
-            out.update(source="client:ttft", **tr, growth_ms=growth,
-                       growing=tr["lower95"] > 0 and growth >= max(TREND_MIN_GROWTH * med, 5.0))
+    level = as_level(records)
+    ttft_trend = _ttft_trend(level)
+    if ttft_trend is not None:
+        tr, med = ttft_trend
+        growth = tr["slope"] * tr["span_s"]
+        out.update(source="client:ttft", **tr, growth_ms=growth,
+                   growing=tr["lower95"] > 0 and growth >= max(TREND_MIN_GROWTH * med, 5.0))
     return out
+
+
+def _ttft_trend(level: Level) -> tuple[dict[str, float], float] | None:
+    """``trend`` of the measured requests' TTFT over their start, and its median, from the level's blocks (three
+    passes: means and extent, centred sums, residuals — the sums ``trend`` makes in one)."""
+    median = OrderStats()
+    n, sum_t, sum_y, lo, hi = 0, 0.0, 0.0, np.inf, -np.inf
+    for a in level.blocks():
+        meas = a.measured & ~np.isnan(a.ttft)
+        if meas.any():
+            t = a.start[meas]
+            n += t.size
+            sum_t += float(np.sum(t))
+            sum_y += float(np.sum(a.ttft[meas]))
+            lo, hi = min(lo, float(t.min())), max(hi, float(t.max()))
+            median.add(a.ttft[meas])
+    if n < 8 or hi - lo <= 0:
+        return None
+    t_mean, y_mean = sum_t / n, sum_y / n
+    median.ask(np.array([(n - 1) // 2, n // 2]))
+    sxx = sxy = 0.0
+    for a in level.blocks():
+        meas = a.measured & ~np.isnan(a.ttft)
+        tc = a.start[meas] - t_mean
+        sxx += float(np.dot(tc, tc))
+        sxy += float(np.dot(tc, a.ttft[meas] - y_mean))
+        median.collect(a.ttft[meas])
+    slope = sxy / sxx
+    rss = 0.0
+    for a in level.blocks():
+        meas = a.measured & ~np.isnan(a.ttft)
+        resid = a.ttft[meas] - y_mean - slope * (a.start[meas] - t_mean)
+        rss += float(np.dot(resid, resid))
+    se = float(np.sqrt(rss / max(n - 2, 1) / sxx))
+    return {"slope": slope, "lower95": slope - 1.645 * se, "span_s": hi - lo}, median.median()
 
 
 def apply_conditions(levels: list[dict[str, Any]], slo: dict[str, float], extra: dict[float, dict[str, Any]],

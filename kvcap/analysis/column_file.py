@@ -3,7 +3,7 @@ in their place while they still match.
 
 Why: a million simulated requests are ~1.9 GB of ``requests.jsonl`` (per-token ITLs) and ~260 MB of
 ``telemetry.jsonl``, ~20 s to parse, while the analysis needs a dozen numbers per record, the ITLs and each
-series' samples. The simulator has them as arrays as it writes (``LiveColumns``, the sampler), so it appends them
+series' samples. The simulator has them as arrays as it writes (``RecordColumns``, the sampler), so it appends them
 to ``requests.columns`` and ``telemetry.columns`` too, and the analysis reads those in a fraction of the time.
 The JSONL files stay the record and the contract: a copy is trusted only while its JSONL is the very file it was
 written beside — same size, modification time and digests of its first and last MiB, kept in the copy's index

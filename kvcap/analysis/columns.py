@@ -1,41 +1,25 @@
-"""Request records as per-level numpy columns, read from ``requests.jsonl`` in chunks.
-
-Why: the analysis needs a dozen numbers per record, not a dict per record kept alive for the whole run (a
-million records held as dicts took ~1 GB, and per-token ITL lists several more). The file is parsed a megabyte at a
-time (one ``orjson`` call per chunk), each chunk's fields go into per-(mode, level) column builders, and the
-chunk's dicts are dropped. Per-token ITLs are never kept per record: a record's tokens inside each measured
-window of its level (known beforehand from ``levels.jsonl``) are counted as the chunk is read, and the ITLs of
-the judged ok requests, needed for the ITL percentiles, are kept as floats up to ``ITL_EXACT_MAX`` per level,
-then as exact counts per distinct value on the 1 µs grid both writers round to (``quantiles``), so memory stays
-bounded in the number of tokens. Only a level without a line in ``levels.jsonl`` (a killed run's last) keeps its
-ITLs until its window is known from its records. The figures are the same whether a file is read in one chunk
-or many (the test compares them on every key of ``summary.json``).
+"""Request records as per-level numpy columns: the arrays the statistics are vectorised over
+(:class:`LevelArrays`), how a chunk of records becomes columns (``_extract``), and how a level's columns grow as
+chunks arrive (``_Builder``), a block at a time when the level is long. Reading a file into them is
+``column_reader``'s; a level as blocks is ``level_blocks``'.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from operator import itemgetter
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvcap.analysis.column_file import ColumnWriter, Damaged, fingerprint, stored_columns, writable
 from kvcap.analysis.quantiles import ITL_EXACT_MAX, ItlValues
-from kvcap.rundir import CHUNK_BYTES, gc_paused, jsonl_chunks
+from kvcap.analysis.tokens import Window, count_tokens, itls_of
 
 Key = tuple[str, float]
-Window = tuple[float, float]
-Reader = Callable[[Path, dict[Key, dict[int, Window]]], dict[Key, "LevelArrays"]]
-"""Records → per-level columns, given the measured windows known up front (``read_columns``)."""
 SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
 """The per-request latencies an SLO item can limit (``<metric>_ms``)."""
-EDGE_MARGIN_S = 1e-6
-"""A record whose last token is this close to a window's edge is counted token by token (its last token time is
-summed in another order than the running sums, and window bounds are rounded to the µs)."""
 _FLOATS = {"start": ("start_s", 0.0), "ttft": ("ttft_ms", np.nan), "tpot": ("tpot_ms", np.nan),
            "e2e": ("e2e_ms", np.nan), "end": ("end_s", np.nan), "out_tokens": ("output_tokens", 0.0),
            "in_tokens": ("input_tokens", 0.0), "queue": ("queue_ms", np.nan),
@@ -60,18 +44,19 @@ class LevelArrays:
         errors = _error_codes()
         b.add(_extract(list(records), _level_codes(), errors), None)
         b.error_names = list(errors.ids)
-        self._adopt(b)
-        self.good = self.meets(slo)
+        cols, win_tokens = b.rest()
+        self._take(cols, win_tokens, b.error_names, b.itl_ok, b.itl_kept())
 
     @classmethod
-    def _built(cls, b: _Builder) -> LevelArrays:
+    def of_block(cls, cols: dict[str, np.ndarray], win_tokens: dict[Window, np.ndarray], error_names: list[str],
+                 itl_ok: ItlValues, itl: tuple[np.ndarray, np.ndarray] | None = None) -> LevelArrays:
+        """A block of a level's rows (``level_blocks.Level``), from a builder's columns."""
         obj = cls.__new__(cls)
-        obj._adopt(b)
-        obj.good = obj.ok.copy()
+        obj._take(cols, win_tokens, error_names, itl_ok, itl)
         return obj
 
-    def _adopt(self, b: _Builder) -> None:
-        cols = b.columns()
+    def _take(self, cols: dict[str, np.ndarray], win_tokens: dict[Window, np.ndarray], error_names: list[str],
+              itl_ok: ItlValues, itl: tuple[np.ndarray, np.ndarray] | None) -> None:
         self.n = int(cols["start"].size)
         self.start, self.ttft, self.tpot, self.e2e = cols["start"], cols["ttft"], cols["tpot"], cols["e2e"]
         self.out_tokens, self.in_tokens = cols["out_tokens"], cols["in_tokens"]
@@ -84,12 +69,12 @@ class LevelArrays:
         self.measured = phase != _PHASE_OTHER  # a record without a phase counts as measured
         self.explicit_measure = phase == _PHASE_MEASURE
         self.cancelled = cols["cancelled"]
-        self.error_names = b.error_names
+        self.error_names = error_names
         self.first = self.start + self.ttft / 1e3
-        self.itl_ok = b.itl_ok
-        self._win_tokens = b.win_tokens
+        self.itl_ok = itl_ok
+        self._win_tokens = dict(win_tokens)
         self._request_tokens: dict[Window, np.ndarray] = {}
-        self._itl = b.itl_kept()
+        self._itl = itl
 
     def meets(self, slo: dict[str, float] | None) -> np.ndarray:
         """Requests that succeeded with each of their own latencies within the SLO (unknown does not fail)."""
@@ -107,7 +92,7 @@ class LevelArrays:
             if self._itl is None:
                 raise ValueError(f"window {(t0, t1)} was not counted and the ITLs were not kept")
             flat, lens = self._itl
-            self._win_tokens[(t0, t1)] = _count_tokens(self.first, flat, lens, [(t0, t1)])[0]
+            self._win_tokens[(t0, t1)] = count_tokens(self.first, flat, lens, [(t0, t1)])[0]
         return self._win_tokens[(t0, t1)]
 
     def request_tokens(self, t0: float, t1: float) -> np.ndarray:
@@ -203,7 +188,7 @@ def _extract(recs: list[dict[str, Any]], keys: Codes, errors: Codes) -> dict[str
         itls = [x or () for x in itls]
         lens = np.fromiter(map(len, itls), np.int64, count=n)
     cols["itl_len"] = lens
-    if n and isinstance(itls[0], np.ndarray):  # records in hand (``LiveColumns``): the engine's vectors
+    if n and isinstance(itls[0], np.ndarray):  # records in hand (``RecordColumns``): the engine's vectors
         cols["itl"] = np.concatenate(itls).astype(float, copy=False)
     else:
         cols["itl"] = np.fromiter(chain.from_iterable(itls), float, count=int(lens.sum()))
@@ -217,75 +202,6 @@ def _level_codes() -> Codes:
 
 def _error_codes() -> Codes:
     return Codes(str)
-
-
-def _segmented_cumsum(flat: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Each record's running sum of its own ITLs, exactly as ``np.cumsum`` of that record's list alone (rows of
-    one length are stacked and summed along the row, so no sum carries over from the records before it)."""
-    out = np.empty_like(flat)
-    offsets = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
-    for length in np.unique(lens[lens > 0]).tolist():
-        rows = np.flatnonzero(lens == length)
-        idx = offsets[rows][:, None] + np.arange(length)
-        out[idx] = np.cumsum(flat[idx], axis=1)
-    return out
-
-
-def _count_tokens(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, windows: Sequence[Window]) -> list[np.ndarray]:
-    """Per window, per record: tokens at first and at first + each running ITL sum (ms) within [t0, t1); 0 for a
-    record without ITLs (its tokens are spread by the closed form instead) or without a first token.
-
-    Token times rise within a record (ITLs ≥ 0), so a record whose first and last tokens both lie inside a window
-    (a margin of 1 µs on the last, which is summed in another order) has all of them inside, and one wholly before
-    or after has none: only the few records across a window's edge need their token times. Negative ITLs (a
-    damaged file) take every record's times."""
-    has = (lens > 0) & ~np.isnan(first)
-    if flat.size and flat.min() < 0:
-        return _count_each_token(first, flat, lens, windows, has)
-    last = last_token_times(first, flat, lens)
-    out = []
-    edge = np.zeros(lens.size, bool)
-    for t0, t1 in windows:
-        inside = has & (first >= t0) & (last + EDGE_MARGIN_S < t1)
-        outside = (first >= t1) | (last + EDGE_MARGIN_S < t0)
-        out.append(np.where(inside, lens + 1, 0).astype(np.int64))
-        edge |= has & ~inside & ~outside  # across an edge (or a sum that is not finite)
-    if edge.any():
-        rows = np.flatnonzero(edge)
-        exact = _count_each_token(first[rows], itls_of(flat, lens, rows), lens[rows], windows, has[rows])
-        for count, part in zip(out, exact):
-            count[rows] = part
-    return out
-
-
-def itls_of(flat: np.ndarray, lens: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The ITLs of records ``rows`` (in that order) out of their chunk's flat array (``lens`` per record)."""
-    starts = np.cumsum(lens) - lens
-    return flat[np.repeat(starts[rows], lens[rows]) + _ranks(lens[rows])]
-
-
-def last_token_times(first: np.ndarray, flat: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Each record's last token time: its first plus its ITLs (ms) summed (in another order than the running
-    sums of :func:`_count_each_token`: within ``EDGE_MARGIN_S`` of them)."""
-    total = np.zeros(lens.size)
-    some = lens > 0
-    if flat.size:
-        total[some] = np.add.reduceat(flat, (np.cumsum(lens) - lens)[some])
-    return first + total / 1e3
-
-
-def _count_each_token(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, windows: Sequence[Window],
-                      has: np.ndarray) -> list[np.ndarray]:
-    """``_count_tokens`` from every token's time."""
-    owner = np.repeat(np.arange(lens.size), lens)
-    times = first[owner] + _segmented_cumsum(flat, lens) / 1e3  # tokens 2..N (NaN first → never inside)
-    out = []
-    for t0, t1 in windows:
-        count = (has & (first >= t0) & (first < t1)).astype(np.int64)
-        inside = (times >= t0) & (times < t1)
-        count += np.bincount(owner[inside], minlength=lens.size)
-        out.append(count)
-    return out
 
 
 class _Column:
@@ -310,12 +226,33 @@ class _Column:
         out, self.arr = self.arr[:self.n].copy(), np.empty(0, self.arr.dtype)
         return out
 
+    def front(self, k: int) -> np.ndarray:
+        """The first ``k`` values, taken out (the rest move to the front)."""
+        out = self.arr[:k].copy()
+        rest = self.n - k
+        self.arr[:rest] = self.arr[k:self.n]
+        self.n = rest
+        return out
+
+
+BLOCK_ROWS = 1 << 17
+"""Rows per block of a level read from a file: a longer level's earlier blocks wait on disk (``level_blocks``), so
+its analysis holds two blocks (~25 MB) at most, however many records it has."""
+
+
+class Spill(Protocol):
+    """Where a builder puts a level's full blocks (``level_blocks.Spill``)."""
+
+    def put(self, arrays: dict[str, np.ndarray]) -> Any: ...
+
 
 class _Builder:
-    """One level's columns as chunks arrive; its token counts for the windows known up front."""
+    """One level's columns as chunks arrive; its token counts for the windows known up front. With a ``spill``,
+    each ``block_rows`` rows (counted exactly, whatever the chunks: the figures must not depend on how a file was
+    chunked) go to it as a block."""
 
     def __init__(self, windows: tuple[Window, ...] | None, itl_exact_max: int = ITL_EXACT_MAX,
-                 keep_itl_max: float = math.inf):
+                 keep_itl_max: float = math.inf, spill: Spill | None = None, block_rows: int = BLOCK_ROWS):
         self.windows = windows
         self.parts: dict[str, _Column] = {}
         self.win_parts = [_Column(np.int32) for _ in windows or ()]
@@ -327,6 +264,9 @@ class _Builder:
         self.kept = 0
         self.recount = False
         """True: the level's windows, once known, need a second read of its records to count their tokens."""
+        self.spill, self.block_rows = spill, block_rows
+        self.spilled: list[tuple[int, Any]] = []
+        """(rows, where the spill put them) of each block written, in order."""
 
     def add(self, cols: dict[str, Any], rows: np.ndarray | None) -> None:
         """Append the chunk's rows of this level (``rows`` None: the whole chunk is this level's)."""
@@ -351,20 +291,32 @@ class _Builder:
             if self.kept > self.keep_itl_max:
                 self.itl_parts, self.recount = [], True
         elif self.windows:
-            for acc, count in zip(self.win_parts, _count_tokens(first, flat, lens, self.windows)):
+            for acc, count in zip(self.win_parts, count_tokens(first, flat, lens, self.windows)):
                 acc.extend(count)
         ok = (mine["phase"] != _PHASE_OTHER) & ~mine["cancelled"] & mine["ok"]
         self.itl_ok.add((flat if us is None else us)[np.repeat(ok, lens)])
+        while self.spill is not None and self.parts["start"].n >= self.block_rows:
+            self._spill_block()
 
-    def columns(self) -> dict[str, np.ndarray]:
+    def _spill_block(self) -> None:
+        """The first ``block_rows`` rows to the spill. A level without its windows stops keeping ITLs: its tokens
+        are counted by a second read (``recount``), whose counts the blocks then take by row."""
+        k = self.block_rows
+        arrays = {name: col.front(k) for name, col in self.parts.items()}
+        arrays.update({f"w{i}": col.front(k) for i, col in enumerate(self.win_parts)})
+        self.spilled.append((k, self.spill.put(arrays) if self.spill is not None else None))
+        if self.windows is None:
+            self.itl_parts, self.recount = [], True
+
+    def rest(self) -> tuple[dict[str, np.ndarray], dict[Window, np.ndarray]]:
+        """The rows not spilled: their columns and their token counts per known window (the builder is done)."""
         cols = {k: v.done() for k, v in self.parts.items()}
         self.parts = {}
         if not cols:
             cols = {name: np.zeros(0) for name in _FLOATS} | {
                 "repeat": np.zeros(0, np.int64), "error": np.zeros(0, np.int32), "phase": np.zeros(0, np.int8),
                 **{k: np.zeros(0, bool) for k in ("ok", "truncated", "cancelled", "has_itl")}}
-        self.win_tokens = {w: p.done() for w, p in zip(self.windows or (), self.win_parts)}
-        return cols
+        return cols, {w: p.done() for w, p in zip(self.windows or (), self.win_parts)}
 
     def itl_kept(self) -> tuple[np.ndarray, np.ndarray] | None:
         if self.windows is not None or self.recount:
@@ -372,119 +324,3 @@ class _Builder:
         if not self.itl_parts:
             return np.zeros(0), np.zeros(0, np.int64)
         return np.concatenate([f for f, _ in self.itl_parts]), np.concatenate([n for _, n in self.itl_parts])
-
-
-def _ranks(lens: np.ndarray) -> np.ndarray:
-    """0, 1, …, len−1 for each length in turn (the position of each value inside its record)."""
-    total = int(lens.sum())
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
-    return np.arange(total) - starts
-
-
-def columns_of(chunks: Iterable[list[dict[str, Any]]], windows: dict[Key, dict[int, Window]],
-               itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, LevelArrays]:
-    """Per (mode, level): its records' columns. ``windows``: the measured windows known up front, per repeat."""
-    keys, errors = _level_codes(), _error_codes()
-    extracted = (_extract(recs, keys, errors) for recs in chunks if recs)
-    return _levels(extracted, windows, keys.ids, errors.ids, itl_exact_max)
-
-
-KEEP_ITL_MAX = 4_000_000
-"""ITL values (32 MB) a level without a line in ``levels.jsonl`` (a killed run's last) keeps while it is read, to
-count its tokens in the window its records give; past it the records are read a second time instead, so the
-analysis of a killed run stays bounded in memory too."""
-
-
-def _levels(extracted: Iterable[dict[str, Any]], windows: dict[Key, dict[int, Window]], key_ids: dict[Key, int],
-            error_ids: dict[str, int], itl_exact_max: int,
-            again: Callable[[], Iterable[dict[str, Any]]] | None = None) -> dict[Key, LevelArrays]:
-    """Chunks of columns (``_extract``'s) into one builder per level, made on its first record; ``key_ids`` and
-    ``error_ids`` give the chunks' codes (filled as the chunks are made, when they come from records).
-    ``again``: the same chunks once more, with the same codes (without it, a level without windows keeps its
-    ITLs whatever their number)."""
-    builders: dict[int, _Builder] = {}
-    keep = KEEP_ITL_MAX if again is not None else math.inf
-    with gc_paused():
-        for cols in extracted:
-            ids = np.unique(cols["key"])
-            for kid in ids.tolist():
-                if kid not in builders:
-                    key = next(k for k, v in key_ids.items() if v == kid)
-                    builders[kid] = _Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max,
-                                             keep)
-                builders[kid].add(cols, None if ids.size == 1 else np.flatnonzero(cols["key"] == kid))
-    names = list(error_ids)
-    out = {}
-    for key, kid in key_ids.items():
-        if kid in builders:  # (a level announced but without a record has no columns, as in the file)
-            builders[kid].error_names = names
-            out[key] = LevelArrays._built(builders[kid])
-    recount = {kid: key for key, kid in key_ids.items() if kid in builders and builders[kid].recount}
-    if recount and again is not None:
-        _count_again(out, recount, again())
-    return out
-
-
-def _count_again(out: dict[Key, LevelArrays], recount: dict[int, Key], extracted: Iterable[dict[str, Any]]) -> None:
-    """The second read: each recounted level's tokens inside the windows its records give (``own_windows``, the
-    ones the summary asks for), counted as the first read counts known windows."""
-    wins = {kid: tuple(out[key].own_windows().values()) for kid, key in recount.items()}
-    counts = {kid: [_Column(np.int64) for _ in wins[kid]] for kid in recount}
-    with gc_paused():
-        for cols in extracted:
-            ids = np.unique(cols["key"])
-            for kid in ids.tolist():
-                if kid not in recount or not wins[kid]:
-                    continue
-                rows = None if ids.size == 1 else np.flatnonzero(cols["key"] == kid)
-                all_lens = cols["itl_len"]
-                lens = all_lens if rows is None else all_lens[rows]
-                flat = cols["itl"] if rows is None else (itls_of(cols["itl"], all_lens, rows) if lens.sum()
-                                                         else np.zeros(0))
-                start, ttft = (cols["start"], cols["ttft"]) if rows is None else (cols["start"][rows],
-                                                                                  cols["ttft"][rows])
-                for acc, count in zip(counts[kid], _count_tokens(start + ttft / 1e3, flat, lens, wins[kid])):
-                    acc.extend(count)
-    for kid, key in recount.items():  # (records appended since the first read are not the level's: left out)
-        tokens = {w: acc.done()[:out[key].n] for w, acc in zip(wins[kid], counts[kid])}
-        if any(t.size != out[key].n for t in tokens.values()):
-            raise ValueError("requests.jsonl lost records while it was read")
-        out[key]._win_tokens = tokens
-
-
-def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes: int = CHUNK_BYTES,
-                 itl_exact_max: int = ITL_EXACT_MAX, write_copy: bool = False) -> dict[Key, LevelArrays]:
-    """``requests.jsonl`` streamed into per-level columns (no dict per record kept): from the binary copy of its
-    columns beside it when that is whole and taken from this very file (``column_file``), else parsed —
-    ``write_copy``: and the copy written as it is parsed, for the next reader."""
-    if not path.exists():
-        return {}
-    stored = stored_columns(path)
-    if stored is not None:
-        try:
-            return _levels(stored.chunks(), windows, {k: i for i, k in enumerate(stored.keys)},
-                           {e: i for i, e in enumerate(stored.errors)}, itl_exact_max, again=stored.chunks)
-        except Damaged:
-            pass
-    keys, errors = _level_codes(), _error_codes()
-
-    def parsed() -> Iterator[dict[str, Any]]:
-        return (_extract(recs, keys, errors) for recs in jsonl_chunks(path, chunk_bytes) if recs)
-
-    if not (write_copy and writable(path)):
-        return _levels(parsed(), windows, keys.ids, errors.ids, itl_exact_max, again=parsed)
-    taken_from = fingerprint(path)
-    sink = ColumnWriter(path)
-
-    def copied() -> Iterator[dict[str, Any]]:
-        for cols in parsed():
-            sink.append(cols)
-            yield cols
-
-    try:
-        out = _levels(copied(), windows, keys.ids, errors.ids, itl_exact_max, again=parsed)
-    except BaseException:
-        sink.discard()
-        raise
-    sink.close(list(keys.ids), list(errors.ids), sink.rows, taken_from)
-    return out

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.columns import SLO_METRICS, LevelArrays, level_key
-from kvcap.analysis.quantiles import QUANTILES, percentiles
+from kvcap.analysis.level_blocks import Level, as_level
+from kvcap.analysis.quantiles import QUANTILES, OrderStats, percentiles
 
 __all__ = ["QUANTILES", "LevelArrays", "bootstrap_ci", "check_slo", "level_key", "meets_request_slo", "percentiles",
            "repeats_ci", "summarize_level", "tokens_in_window"]
@@ -49,33 +50,73 @@ def meets_request_slo(rec: dict[str, Any], slo: dict[str, float]) -> bool:
     return True
 
 
-def summarize_level(records: LevelArrays | list[dict[str, Any]], windows: dict[int, tuple[float, float]],
+_SAMPLES = ("ttft", "tpot", "e2e", "queue")
+"""The latencies whose percentiles are taken over the judged ok requests (``send_delay``'s over every measured one)."""
+BOOT_EXACT_MAX = 2000
+"""Up to this many values the p95's interval resamples them; past it, the order-statistic interval (exact ranks)."""
+
+
+def summarize_level(records: Level | LevelArrays | list[dict[str, Any]], windows: dict[int, tuple[float, float]],
                     slo: dict[str, float] | None = None) -> dict[str, Any]:
-    """Statistics of one (mode, level) over its repeats. ``windows``: repeat → measured window (run seconds)."""
-    a = records if isinstance(records, LevelArrays) else LevelArrays(records, slo, list(windows.values()))
-    measured = a.measured
-    cancelled = a.cancelled & measured
-    judged = measured & ~cancelled
-    ok = judged & a.ok
-    good = a.meets(slo)
-    failed = a.error[measured & ~a.ok & ~a.cancelled]
-    codes, first, counts = np.unique(failed, return_index=True, return_counts=True)
-    errors = {a.error_names[c]: n for _, c, n in sorted(zip(first.tolist(), codes.tolist(), counts.tolist()))}
-    tok_s, req_s, good_s, inflight = [], [], [], []
-    for rep in sorted(windows):
-        t0, t1 = windows[rep]
-        span = max(t1 - t0, 1e-9)
-        mine = a.repeat == rep
-        tok_s.append(a.tokens_in_window(t0, t1, mine) / span)
-        good_s.append(a.tokens_in_window(t0, t1, mine & good) / span)
+    """Statistics of one (mode, level) over its repeats. ``windows``: repeat → measured window (run seconds).
+
+    Two passes over the level's blocks (``level_blocks``): counts, sums and the samples' buckets, then the exact
+    values at the ranks the percentiles ask for — the figures of one pass over all the rows at once, in memory
+    bounded by a block."""
+    level = as_level(records, slo, list(windows.values()))
+    reps = sorted(windows)
+    tokens, good_tokens, done = dict.fromkeys(reps, 0), dict.fromkeys(reps, 0), dict.fromkeys(reps, 0)
+    busy = dict.fromkeys(reps, 0.0)
+    count = dict.fromkeys(("judged", "ok", "cancelled", "truncated"), 0)
+    out_sum = in_sum = 0.0
+    errors: dict[int, list[int]] = {}  # error code → [its first record, its count]
+    samples = {name: OrderStats(BOOT_EXACT_MAX + 1 if name in ("ttft", "tpot") else 0)
+               for name in (*_SAMPLES, "send_delay")}
+    seen = 0
+    for a in level.blocks():
+        cancelled = a.cancelled & a.measured
+        judged = a.measured & ~cancelled
+        ok = judged & a.ok
+        good = a.meets(slo)
+        failed = np.flatnonzero(a.measured & ~a.ok & ~a.cancelled)
+        codes, first, counts = np.unique(a.error[failed], return_index=True, return_counts=True)
+        for code, at, n in zip(codes.tolist(), failed[first].tolist(), counts.tolist()):
+            errors.setdefault(code, [seen + at, 0])[1] += n
         ends = a.start + a.e2e / 1e3
-        req_s.append(int(np.count_nonzero(mine & a.ok & (ends >= t0) & (ends < t1))) / span)
-        busy = np.clip(np.minimum(a.end, t1) - np.maximum(a.start, t0), 0.0, None)
-        inflight.append(float(busy[mine].sum()) / span)
-    n_j, n_ok = int(judged.sum()), int(ok.sum())
+        for rep in reps:
+            t0, t1 = windows[rep]
+            mine = a.repeat == rep
+            tokens[rep] += a.tokens_in_window(t0, t1, mine)
+            good_tokens[rep] += a.tokens_in_window(t0, t1, mine & good)
+            done[rep] += int(np.count_nonzero(mine & a.ok & (ends >= t0) & (ends < t1)))
+            busy[rep] += float(np.clip(np.minimum(a.end, t1) - np.maximum(a.start, t0), 0.0, None)[mine].sum())
+        for name, mask in (("judged", judged), ("ok", ok), ("cancelled", cancelled),
+                           ("truncated", a.truncated & ok)):
+            count[name] += int(mask.sum())
+        out_sum += float(a.out_tokens[ok].sum())
+        in_sum += float(a.in_tokens[ok].sum())
+        for name in _SAMPLES:
+            samples[name].add(getattr(a, name)[ok])
+        samples["send_delay"].add(a.send_delay[a.measured])
+        seen += a.n
+    for sample in samples.values():
+        sample.ask_percentiles()
+    for name in ("ttft", "tpot"):
+        samples[name].ask(_p95_interval_ranks(samples[name].n))
+    for a in level.blocks():
+        ok = a.measured & ~a.cancelled & a.ok
+        for name in _SAMPLES:
+            samples[name].collect(getattr(a, name)[ok])
+        samples["send_delay"].collect(a.send_delay[a.measured])
+    spans = {rep: max(windows[rep][1] - windows[rep][0], 1e-9) for rep in reps}
+    tok_s = [tokens[rep] / spans[rep] for rep in reps]
+    good_s = [good_tokens[rep] / spans[rep] for rep in reps]
+    req_s = [done[rep] / spans[rep] for rep in reps]
+    inflight = [busy[rep] / spans[rep] for rep in reps]
+    n_j, n_ok = count["judged"], count["ok"]
     out: dict[str, Any] = {
-        "requests": n_j, "ok": n_ok, "errors": n_j - n_ok, "cancelled": int(cancelled.sum()),
-        "error_classes": errors,
+        "requests": n_j, "ok": n_ok, "errors": n_j - n_ok, "cancelled": count["cancelled"],
+        "error_classes": {level.error_names[code]: n for code, (_, n) in sorted(errors.items(), key=lambda e: e[1][0])},
         "output_tok_s": round(float(np.median(tok_s)), 3) if tok_s else 0.0,
         "request_s": round(float(np.median(req_s)), 4) if req_s else 0.0,
         "output_tok_s_repeats": [round(x, 3) for x in tok_s],
@@ -83,17 +124,17 @@ def summarize_level(records: LevelArrays | list[dict[str, Any]], windows: dict[i
         "goodput_tok_s_repeats": [round(x, 3) for x in good_s],
         "in_flight_mean": round(float(np.median(inflight)), 3) if inflight else None,
         "error_rate": round((n_j - n_ok) / n_j, 6) if n_j else 0.0,
-        "truncated": int(np.count_nonzero(a.truncated & ok)),
-        "output_tokens_mean": round(float(a.out_tokens[ok].mean()), 2) if n_ok else None,
-        "input_tokens_mean": round(float(a.in_tokens[ok].mean()), 2) if n_ok else None,
+        "truncated": count["truncated"],
+        "output_tokens_mean": round(out_sum / n_ok, 2) if n_ok else None,
+        "input_tokens_mean": round(in_sum / n_ok, 2) if n_ok else None,
     }
-    out["ttft_ms"] = percentiles(a.ttft[ok])
-    out["tpot_ms"] = percentiles(a.tpot[ok])
-    out["e2e_ms"] = percentiles(a.e2e[ok])
-    out["itl_ms"] = a.itl_ok.percentiles()
-    out["queue_ms"] = percentiles(a.queue[ok])
-    out["send_delay_ms"] = percentiles(a.send_delay[measured])
-    out["ci95"] = bootstrap_ci(a, ok, windows)
+    out["ttft_ms"] = samples["ttft"].percentiles()
+    out["tpot_ms"] = samples["tpot"].percentiles()
+    out["e2e_ms"] = samples["e2e"].percentiles()
+    out["itl_ms"] = level.itl_ok.percentiles()
+    out["queue_ms"] = samples["queue"].percentiles()
+    out["send_delay_ms"] = samples["send_delay"].percentiles()
+    out["ci95"] = _p95_intervals(samples["ttft"], samples["tpot"])
     out["ci95"]["output_tok_s"] = repeats_ci(tok_s)
     out["ci95"]["goodput_tok_s"] = repeats_ci(good_s)
     return out
@@ -110,22 +151,42 @@ def repeats_ci(values: list[float], n_boot: int = 1000, seed: int = 0) -> list[f
 
 def bootstrap_ci(a: LevelArrays, ok: np.ndarray, windows: dict[int, tuple[float, float]], n_boot: int = 200,
                  seed: int = 0) -> dict[str, list[float] | None]:
-    """95% intervals for TTFT/TPOT p95 (requests resampled) and throughput (across repeats when there are ≥ 2)."""
+    """95% intervals for TTFT/TPOT p95 of the ``ok`` requests (``summarize_level``'s, for arrays in hand)."""
+    samples = []
+    for values in (a.ttft[ok], a.tpot[ok]):
+        s = OrderStats(BOOT_EXACT_MAX + 1)
+        s.add(values)
+        s.ask(_p95_interval_ranks(s.n))
+        s.collect(values)
+        samples.append(s)
+    return _p95_intervals(*samples, n_boot=n_boot, seed=seed)
+
+
+def _p95_interval_ranks(n: int) -> np.ndarray:
+    """The ranks (0-based) of the order-statistic 95% interval of a p95 over ``n`` values: n·0.95 ∓ 1.96·√(n·0.95·0.05)
+    (binomial), clipped to the sample; none up to ``BOOT_EXACT_MAX`` (resampled instead)."""
+    if n <= BOOT_EXACT_MAX:
+        return np.zeros(0, np.int64)
+    half = 1.96 * np.sqrt(n * 0.95 * 0.05)
+    lo, hi = int(np.floor(n * 0.95 - half)), int(np.ceil(n * 0.95 + half))
+    return np.array([max(lo, 0), min(hi, n - 1)], np.int64)
+
+
+def _p95_intervals(ttft: OrderStats, tpot: OrderStats, n_boot: int = 200,
+                   seed: int = 0) -> dict[str, list[float] | None]:
+    """95% intervals for TTFT/TPOT p95: requests resampled (a fixed seed) up to ``BOOT_EXACT_MAX`` values, the
+    order-statistic (binomial) interval past it, no resampling needed."""
     rng = np.random.default_rng(seed)
     out: dict[str, list[float] | None] = {}
-    for name, values in (("ttft_p95_ms", a.ttft[ok]), ("tpot_p95_ms", a.tpot[ok])):
-        v = values[~np.isnan(values)]
-        if v.size < 5:
+    for name, sample in (("ttft_p95_ms", ttft), ("tpot_p95_ms", tpot)):
+        if sample.n < 5:
             out[name] = None
-            continue
-        if v.size > 2000:  # large samples: the order-statistic (binomial) interval, no resampling needed
-            v = np.sort(v)
-            half = 1.96 * np.sqrt(v.size * 0.95 * 0.05)
-            lo, hi = int(np.floor(v.size * 0.95 - half)), int(np.ceil(v.size * 0.95 + half))
-            out[name] = [round(float(v[max(lo, 0)]), 3), round(float(v[min(hi, v.size - 1)]), 3)]
-            continue
-        q = np.percentile(v[rng.integers(0, v.size, size=(n_boot, v.size))], 95, axis=1)
-        out[name] = [round(float(x), 3) for x in np.percentile(q, [2.5, 97.5])]
+        elif sample.n > BOOT_EXACT_MAX:
+            out[name] = [round(float(x), 3) for x in sample.value_at(_p95_interval_ranks(sample.n))]
+        else:
+            v = sample.first_values()
+            q = np.percentile(v[rng.integers(0, v.size, size=(n_boot, v.size))], 95, axis=1)
+            out[name] = [round(float(x), 3) for x in np.percentile(q, [2.5, 97.5])]
     return out
 
 

@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
-from kvcap.analysis.columns import LevelArrays, Reader, read_columns
+from kvcap.analysis.column_reader import Reader, read_columns
+from kvcap.analysis.columns import LevelArrays
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
+from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.stats import check_slo, summarize_level
 from kvcap.analysis.telemetry import read_telemetry, series_of
 from kvcap.analysis.telemetry_nodes import imbalance, node_figures_per_window, nodes, servers
@@ -49,12 +51,13 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
     extra: dict[str, dict[float, dict[str, Any]]] = defaultdict(dict)
     keys = sorted(set(by_level) | set(infos), key=lambda k: (k[0], k[1]))
     # no level lines (e.g. a killed run): the span of its measured requests, per repeat
-    own = {key: known[key] if infos.get(key) else (by_level.get(key) or LevelArrays()).own_windows() for key in keys}
+    own = {key: known[key] if infos.get(key) else (by_level.get(key) or Level.of(LevelArrays())).own_windows()
+           for key in keys}
     first = {key: next(iter(w.values()), (0.0, 0.0)) for key, w in own.items()}
     per_node = dict(zip(keys, node_figures_per_window(telemetry, [first[k] for k in keys]))) if node_names else {}
     for key in keys:
         mode, level = key
-        recs = by_level.get(key) or LevelArrays()
+        recs = by_level.get(key) or Level.of(LevelArrays())
         reps = infos.get(key, {})
         windows = own[key]
         stats = summarize_level(recs, windows, slo=slo)

@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.columns import Key, LevelArrays, Window, read_columns
+from kvcap.analysis.column_reader import read_columns
+from kvcap.analysis.columns import Key, Window
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
+from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
 
@@ -95,10 +97,10 @@ class _KeptColumns:
     bootstrap of goodput reuses them instead of reading every record again."""
 
     def __init__(self) -> None:
-        self.by_level: dict[Key, LevelArrays] = {}
+        self.by_level: dict[Key, Level] = {}
         self.windows: dict[Key, dict[int, Window]] = {}
 
-    def __call__(self, path: Path, windows: dict[Key, dict[int, Window]]) -> dict[Key, LevelArrays]:
+    def __call__(self, path: Path, windows: dict[Key, dict[int, Window]]) -> dict[Key, Level]:
         self.by_level, self.windows = read_columns(path, windows), windows
         return self.by_level
 
@@ -108,15 +110,20 @@ def _good_tokens(kept: _KeptColumns, slo: dict[str, float]) -> dict[float, list[
     measured window (every request of the level and repeat: one sent in warm-up may deliver inside it)."""
     out: dict[float, list[np.ndarray]] = {}
     for key in sorted(kept.windows):
-        arrays = kept.by_level.get(key)
-        if arrays is None:
+        level = kept.by_level.get(key)
+        if level is None:
             continue
-        good = arrays.meets(slo)
-        for rep, (t0, t1) in sorted(kept.windows[key].items()):
-            mine = arrays.repeat == rep
-            if mine.any():
-                tokens = np.where(good, arrays.request_tokens(t0, t1), 0)
-                out.setdefault(key[1], []).append(tokens[mine] / max(t1 - t0, 1e-9))
+        reps = sorted(kept.windows[key].items())
+        parts: dict[int, list[np.ndarray]] = {rep: [] for rep, _ in reps}
+        for arrays in level.blocks():
+            good = arrays.meets(slo)
+            for rep, (t0, t1) in reps:
+                mine = arrays.repeat == rep
+                if mine.any():
+                    parts[rep].append(np.where(good, arrays.request_tokens(t0, t1), 0)[mine] / max(t1 - t0, 1e-9))
+        for rep, _ in reps:
+            if parts[rep]:
+                out.setdefault(key[1], []).append(np.concatenate(parts[rep]))
     return out
 
 

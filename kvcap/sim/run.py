@@ -23,7 +23,7 @@ import numpy as np
 
 from kvcap import __version__
 from kvcap.analysis.column_file import ColumnWriter, TelemetryWriter
-from kvcap.analysis.live_columns import LiveColumns
+from kvcap.analysis.record_columns import RecordColumns
 from kvcap.analysis.slo import parse_slo
 from kvcap.analysis.summary import build_summary
 from kvcap.errors import InputError
@@ -190,7 +190,7 @@ class _LevelRun:
 
     def __init__(self, cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
                  writer: RunWriter, record_itl: bool, full_telemetry: bool = False,
-                 columns: LiveColumns | None = None, telemetry_copy: TelemetryWriter | None = None):
+                 columns: RecordColumns | None = None, telemetry_copy: TelemetryWriter | None = None):
         self.plan, self.level, self.repeat, self.offset = plan, level, repeat, offset
         self.writer, self.record_itl, self.columns = writer, record_itl, columns
         self.mode = plan.mode
@@ -224,7 +224,7 @@ class _LevelRun:
             self.errors += 1
         self.writer.record(rec)
         if self.columns is not None:
-            self.columns.add(cast(dict[str, Any], rec), self.offset + max(self.window_end(now), self.measure_start))
+            self.columns.add(cast(dict[str, Any], rec))
         if self.mode == "concurrency":
             self.issue(now)
 
@@ -349,22 +349,17 @@ class _LevelRun:
 
 def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
                    writer: RunWriter, record_itl: bool = True, full_telemetry: bool = False,
-                   columns: LiveColumns | None = None,
+                   columns: RecordColumns | None = None,
                    telemetry_copy: TelemetryWriter | None = None) -> tuple[dict[str, Any], float]:
     """One level (one repeat) on a fresh cluster; returns its levels.jsonl line and its simulated length.
-    ``columns``: takes the records' columns as they are written, for the closing summary; ``telemetry_copy``:
-    the telemetry rows' column copy."""
+    ``columns``: the records' column copy, taken as they are written; ``telemetry_copy``: the telemetry rows'."""
     run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl, full_telemetry, columns, telemetry_copy)
-    if columns is not None:
-        columns.open((run.mode, float(level)), repeat, round(offset + run.measure_start, 6))
     run.start_load()
     wall0 = time.perf_counter()
     t_end, cancelled = run.run()
     wall = time.perf_counter() - wall0
     info = run.info(t_end, wall, len(cancelled))
     writer.level(info)
-    if columns is not None:
-        columns.close((info["measure_start_s"], info["measure_end_s"]))
     return info, t_end
 
 
@@ -380,7 +375,7 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
     offset = 0.0
     infos: list[dict[str, Any]] = []
     interrupted = False
-    columns = LiveColumns(sink=ColumnWriter(cfg.out / REQUESTS))
+    columns = RecordColumns(ColumnWriter(cfg.out / REQUESTS))
     telemetry_copy = TelemetryWriter(cfg.out / TELEMETRY)
     wall0 = time.perf_counter()
     try:
@@ -399,7 +394,7 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
         columns.close_file(writer.records)
         telemetry_copy.close(writer.telemetry_rows)
     wall = time.perf_counter() - wall0
-    summary = build_summary(RunDir(cfg.out), slo=cfg.slo, reader=columns.reader)
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo)
     simulated = sum(i["sim"]["simulated_s"] for i in infos)
     engine = sum(i["sim"]["wall_s"] for i in infos)
     summary["interrupted"] = interrupted
