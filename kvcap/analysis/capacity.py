@@ -7,6 +7,7 @@ under their limits, no preemptions. Otherwise it is at most a stress limit.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -35,11 +36,63 @@ def trend(t: np.ndarray, y: np.ndarray) -> dict[str, float] | None:
     return {"slope": slope, "lower95": slope - 1.645 * se, "span_s": float(np.ptp(t))}
 
 
+class TrendSums:
+    """``trend`` of (t, y) samples fed a slice at a time: one slice's is its own; more merge their means
+    and centred sums (Chan et al.), the residual sum of squares then ``Syy − slope·Sty``."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, float, float, float, float, float, float, float, dict[str, float] | None]] = []
+
+    def add(self, t: np.ndarray, y: np.ndarray) -> None:
+        if t.size:
+            tc, yc = t - t.mean(), y - y.mean()
+            self.parts.append((t.size, float(t.mean()), float(y.mean()), float(np.dot(tc, tc)), float(np.dot(tc, yc)),
+                               float(np.dot(yc, yc)), float(t.min()), float(t.max()), trend(t, y)))
+
+    @property
+    def n(self) -> int:
+        return sum(p[0] for p in self.parts)
+
+    def result(self) -> dict[str, float] | None:
+        if len(self.parts) == 1:
+            return self.parts[0][-1]
+        n = self.n
+        span = max((p[7] for p in self.parts), default=0.0) - min((p[6] for p in self.parts), default=0.0)
+        if n < 8 or span <= 0:
+            return None
+        t_mean = sum(p[0] * p[1] for p in self.parts) / n
+        y_mean = sum(p[0] * p[2] for p in self.parts) / n
+        stt = sum(p[3] + p[0] * (p[1] - t_mean) ** 2 for p in self.parts)
+        sty = sum(p[4] + p[0] * (p[1] - t_mean) * (p[2] - y_mean) for p in self.parts)
+        syy = sum(p[5] + p[0] * (p[2] - y_mean) ** 2 for p in self.parts)
+        slope = sty / stt
+        se = math.sqrt(max(syy - slope * sty, 0.0) / max(n - 2, 1) / stt)
+        return {"slope": slope, "lower95": slope - 1.645 * se, "span_s": span}
+
+
+def _sig(x: float) -> float:
+    """A trend figure to 9 significant digits: what it means, not the last bits of how its sums were added (the
+    same whether a long level's samples were summed whole or in slices)."""
+    return float(f"{x:.9g}")
+
+
+def _shown(tr: dict[str, float]) -> dict[str, float]:
+    return {k: _sig(v) for k, v in tr.items()}
+
+
 def stationarity(records: Level | LevelArrays | list[dict[str, Any]], window: tuple[float, float] | None,
-                 waiting: Series | Points | None = None) -> dict[str, Any]:
-    """Is latency (or the server's queue) growing within the measured window?"""
+                 waiting: Series | Points | TrendSums | None = None) -> dict[str, Any]:
+    """Is latency (or the server's queue) growing within the measured window? ``waiting``: the server's queue
+    over time, or its trend summed over slices of time (``telemetry_figures``)."""
     out: dict[str, Any] = {"source": None, "growing": False}
-    if waiting:
+    if isinstance(waiting, TrendSums):
+        tr = waiting.result() if waiting.n >= 8 else None
+        if tr is not None:
+            growth = tr["slope"] * tr["span_s"]
+            out.update(source="telemetry:server.requests_waiting", **_shown(tr), growth=_sig(growth),
+                       growing=tr["lower95"] > 0 and growth >= 1.0)
+            return out
+    elif waiting:
         t, v = points(waiting)
         if window is not None:
             inside = (t >= window[0]) & (t <= window[1])
@@ -48,7 +101,7 @@ def stationarity(records: Level | LevelArrays | list[dict[str, Any]], window: tu
             tr = trend(t, v)
             if tr is not None:
                 growth = tr["slope"] * tr["span_s"]
-                out.update(source="telemetry:server.requests_waiting", **tr, growth=growth,
+                out.update(source="telemetry:server.requests_waiting", **_shown(tr), growth=_sig(growth),
                            growing=tr["lower95"] > 0 and growth >= 1.0)
                 return out
     level = as_level(records)
@@ -56,7 +109,7 @@ def stationarity(records: Level | LevelArrays | list[dict[str, Any]], window: tu
     if ttft_trend is not None:
         tr, med = ttft_trend
         growth = tr["slope"] * tr["span_s"]
-        out.update(source="client:ttft", **tr, growth_ms=growth,
+        out.update(source="client:ttft", **_shown(tr), growth_ms=_sig(growth),
                    growing=tr["lower95"] > 0 and growth >= max(TREND_MIN_GROWTH * med, 5.0))
     return out
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import zlib
 from collections.abc import Iterator, Sequence
@@ -271,6 +272,15 @@ class TelemetryWriter(_Writer):
         self._ids: dict[str, int] = {}
         self.chunk = chunk
         self._rows: list[tuple[int, float, float, float]] = []
+        self.span = [math.nan, -math.inf, True]
+        """First and last time written, and whether every time came in order (``telemetry_slices`` reads slices
+        of a copy in time order without a first read to find out)."""
+
+    def _track(self, t: np.ndarray) -> None:
+        if t.size:
+            first, last, in_order = self.span
+            in_order = bool(in_order and np.isfinite(t).all() and t[0] >= last and not np.any(np.diff(t) < 0))
+            self.span = [float(t[0]) if math.isnan(first) else first, float(t[-1]), in_order]
 
     def ids(self, series: Sequence[Series]) -> list[int]:
         """Each series' id in this copy (a series seen before, by source, name and labels, keeps its id)."""
@@ -293,17 +303,40 @@ class TelemetryWriter(_Writer):
         if self._rows:
             table = np.array(self._rows, dtype=float).reshape(-1, 4)
             self._rows = []
+            self._track(table[:, 1])
             self._append([table[:, 0].astype(np.int32), *(np.ascontiguousarray(table[:, k]) for k in (1, 2, 3))])
 
     def add_series(self, series_id: int, t: np.ndarray, value: np.ndarray, hold: np.ndarray) -> None:
         """One series' rows at once (a copy made from rows already read)."""
+        self.add_rows(np.full(t.size, series_id, np.int32), t, value, hold)
+
+    def add_rows(self, series_id: np.ndarray, t: np.ndarray, value: np.ndarray, hold: np.ndarray) -> None:
+        """Rows given as arrays, stored in chunks of ``chunk`` rows."""
         self.flush()
-        self._append([np.full(t.size, series_id, np.int32), t, value, hold])
+        for at in range(0, t.size, self.chunk):
+            part = slice(at, at + self.chunk)
+            self._track(t[part])
+            self._append([series_id[part].astype(np.int32), t[part], value[part], hold[part]])
 
     def close(self, rows: int, taken_from: dict[str, Any] | None = None) -> None:
         """``rows``: how many the JSONL got (the index is written only if the copy has them all)."""
         self.flush()
-        self._close({"series": [[src, name, labels] for src, name, labels in self.series]}, rows, taken_from)
+        first, last, in_order = self.span
+        self._close({"series": [[src, name, labels] for src, name, labels in self.series],
+                     "t_first": None if math.isnan(first) else first, "t_last": None if math.isnan(first) else last,
+                     "in_order": in_order}, rows, taken_from)
+
+
+def telemetry_span(jsonl: Path) -> tuple[float, float, bool] | None:
+    """The first and last times of the telemetry copy beside ``jsonl`` and whether they all came in order, as its
+    index says (None: no matching copy, or one written before the index said)."""
+    index = _matching(jsonl)
+    try:
+        if index is None or index.get("t_first") is None:
+            return None
+        return float(index["t_first"]), float(index["t_last"]), bool(index["in_order"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def stored_telemetry(jsonl: Path) -> tuple[list[Series], Iterator[dict[str, np.ndarray]]] | None:

@@ -235,9 +235,9 @@ class _Column:
         return out
 
 
-BLOCK_ROWS = 1 << 17
+BLOCK_ROWS = 1 << 15
 """Rows per block of a level read from a file: a longer level's earlier blocks wait on disk (``level_blocks``), so
-its analysis holds two blocks (~25 MB) at most, however many records it has."""
+its analysis holds two blocks (~6 MB) at most, however many records it has."""
 
 
 class Spill(Protocol):

@@ -17,8 +17,9 @@ from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
 from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.stats import check_slo, summarize_level
-from kvcap.analysis.telemetry import read_telemetry, series_of
-from kvcap.analysis.telemetry_nodes import imbalance, node_figures_per_window, nodes, servers
+from kvcap.analysis.telemetry_figures import TelemetryFigures
+from kvcap.analysis.telemetry_nodes import imbalance
+from kvcap.analysis.telemetry_slices import telemetry_slices
 from kvcap.rundir import REQUESTS, RunDir
 from kvcap.specs.load import LIMIT_RULE
 
@@ -29,17 +30,6 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
     ``write_copies``: write the JSONL files' column copies where missing (the run's writer closing its own run:
     later reports and comparisons skip the parse)."""
     slo = slo if slo is not None else (run.manifest.get("slo") or {})
-    telemetry = read_telemetry(run, write_copy=write_copies)
-    running, waiting = series_of(telemetry, "server.requests_running"), series_of(telemetry, "server.requests_waiting")
-    parked = series_of(telemetry, "server.requests_parked")
-    resident_series = running.plus(parked) if parked else running
-    preempt = series_of(telemetry, "server.preemptions_total")
-    link_util = series_of(telemetry, "link.util")
-    gpu_util = series_of(telemetry, "gpu.util")
-    kv_usage = series_of(telemetry, "server.kv_usage")
-    net_rx, net_tx = series_of(telemetry, "net.rx_bytes_s"), series_of(telemetry, "net.tx_bytes_s")
-    node_names = nodes(telemetry)
-    n_servers = servers(telemetry)
     infos: dict[tuple[str, float], dict[int, dict[str, Any]]] = defaultdict(dict)
     for info in run.levels():
         infos[(str(info["mode"]), float(info["level"]))][int(info.get("repeat", 0))] = info
@@ -54,7 +44,11 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
     own = {key: known[key] if infos.get(key) else (by_level.get(key) or Level.of(LevelArrays())).own_windows()
            for key in keys}
     first = {key: next(iter(w.values()), (0.0, 0.0)) for key, w in own.items()}
-    per_node = dict(zip(keys, node_figures_per_window(telemetry, [first[k] for k in keys]))) if node_names else {}
+    figures = TelemetryFigures([first[k] for k in keys])
+    for tel, lo, hi in telemetry_slices(run, write_copy=write_copies):
+        figures.add(tel, lo, hi)
+    node_names = sorted(figures.node_names)
+    per_node = dict(zip(keys, figures.nodes.result())) if node_names else {}
     for key in keys:
         mode, level = key
         recs = by_level.get(key) or Level.of(LevelArrays())
@@ -71,35 +65,24 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         entry["client_warnings"] = sorted({w for i in reps.values()
                                            for w in (i.get("client") or {}).get("warnings", [])})
         w0, w1 = first[key]
-        for name, ser in (("running", running), ("waiting", waiting), ("parked", parked)):
-            vals = ser.within(w0, w1).v
-            if vals.size:  # waiting's mean first: the keys' order in summary.json as it always was
-                figs = {"max": float(np.max(vals)), "mean": round(float(np.mean(vals)), 3)}
-                for stat in ("mean", "max") if name == "waiting" else ("max", "mean"):
-                    entry[f"server_{name}_{stat}"] = figs[stat]
-        for name, ser, fn in (("link_util_max", link_util, np.max), ("gpu_util_mean", gpu_util, np.mean),
-                              ("kv_usage_mean", kv_usage, np.mean), ("kv_usage_max", kv_usage, np.max),
-                              ("net_rx_bytes_s_mean", net_rx, np.mean), ("net_tx_bytes_s_mean", net_tx, np.mean)):
-            vals = ser.within(w0, w1).v
-            if vals.size:
-                entry[name] = round(float(fn(vals)), 4)
+        w = keys.index(key)
+        entry.update(figures.level(w))
         if node_names:
             entry["nodes"] = per_node[key]
-            hot = imbalance(entry["nodes"], replicas=n_servers,
+            hot = imbalance(entry["nodes"], replicas=figures.servers(),
                             in_flight=value if mode == "concurrency" else stats.get("in_flight_mean"))
             if hot:
                 entry["imbalance"] = hot
-        p = preempt.within(w0, w1).v
         entry["littles_law"] = littles_law(entry)
-        extra[mode][value] = {"stationarity": stationarity(recs, (w0, w1), waiting.within(w0, w1) or None),
-                              "preemptions": float(p[-1] - p[0]) if p.size >= 2 else 0}
+        extra[mode][value] = {"stationarity": stationarity(recs, (w0, w1), figures.waiting_trend[w]),
+                              "preemptions": figures.preemptions(w)}
         levels.append(entry)
     for mode in {lv["mode"] for lv in levels}:
         apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])
     summary = {"source": run.manifest.get("source"), "arm": run.manifest.get("arm"), "slo": slo,
                "limits": level_limits(run.manifest), "levels": levels,
-               "capacity": capacities(levels, slo, resident_series, waiting)}
-    if parked:
+               "capacity": capacities(levels, slo, figures.maxima(figures.resident), figures.maxima(figures.waiting))}
+    if figures.parked:
         summary["capacity"]["resident_source"] = "telemetry:running+parked"
     summary["diagnosis"] = diagnose(summary, run.manifest.get("arm") or "run")
     summary["warnings"] = input_length_warnings(run.manifest, levels)

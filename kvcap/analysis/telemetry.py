@@ -124,6 +124,16 @@ class Telemetry:
         obj._finish(done, dedupe)
         return obj
 
+    @classmethod
+    def from_series(cls, meta: list[tuple[str, str, dict[str, Any]]],
+                    raw: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Telemetry:
+        """Series given whole, in order: each one's (source, name, labels) and its rows' times, values and
+        ``hold_s`` (``telemetry_slices``' time slices)."""
+        obj = cls.__new__(cls)
+        obj.meta = list(meta)
+        obj._finish([[r] for r in raw], dedupe=False)
+        return obj
+
     def _finish(self, done: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]], dedupe: bool) -> None:
         self.raw: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [
             tuple(np.concatenate([p[k] for p in parts]) for k in range(3)) for parts in done]  # type: ignore[misc]
@@ -331,14 +341,31 @@ def read_telemetry(run: RunDir, write_copy: bool = False) -> Telemetry:
     taken_from = fingerprint(path)
     telemetry = dedupe_sources(run.iter_telemetry())
     copy = TelemetryWriter(path)  # best effort (a full disk leaves no copy, not a failed analysis)
-    try:  # series in id order, each one's rows in order: read back, the same ids, rows and values
-        for sid, (t, v, h) in zip(copy.ids(telemetry.meta), telemetry.raw):
-            copy.add_series(sid, t, v, h)
+    try:
+        _copy_rows(copy, telemetry)
     except BaseException:
         copy.discard()
         raise
     copy.close(copy.rows, taken_from)
     return telemetry
+
+
+def _copy_rows(copy: TelemetryWriter, telemetry: Telemetry) -> None:
+    """The rows into a column copy that reads back as the same series (ids, rows and values): in time order where
+    that keeps every series' rows in order and the series in order of first appearance (so a long run's copy is
+    read a time slice at a time: ``telemetry_slices``), else series by series."""
+    ids = copy.ids(telemetry.meta)
+    sid = np.concatenate([np.full(t.size, i, np.int64) for i, (t, _, _) in zip(ids, telemetry.raw)]) \
+        if ids else np.zeros(0, np.int64)
+    t, v, h = (np.concatenate([raw[k] for raw in telemetry.raw]) if ids else np.zeros(0) for k in range(3))
+    order = np.argsort(t, kind="stable")
+    firsts = np.unique(sid[order], return_index=True)[1] if sid.size else np.zeros(0, np.int64)
+    if np.isfinite(t).all() and all(np.all(np.diff(raw[0]) >= 0) for raw in telemetry.raw) \
+            and np.all(np.diff(firsts) > 0) and ids == sorted(ids):
+        copy.add_rows(sid[order], t[order], v[order], h[order])
+        return
+    for i, (ts, vs, hs) in zip(ids, telemetry.raw):  # series in id order, each one's rows in order
+        copy.add_series(i, ts, vs, hs)
 
 
 def series(rows: Telemetry | list[dict[str, Any]], name: str, agg: str | None = None,

@@ -6,11 +6,12 @@ article's "60% of cluster memory used does not mean 40% more concurrency" is a p
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.telemetry import Telemetry, how, telemetry_of
+from kvcap.analysis.telemetry import Series, Telemetry, how, telemetry_of
 
 NODE_FIGURES: tuple[tuple[str, str, str], ...] = (
     ("gpu_util_mean", "gpu.util", "mean"),
@@ -44,31 +45,9 @@ def node_figures_per_window(rows: Telemetry | list[dict[str, Any]],
                             windows: list[tuple[float, float]]) -> list[dict[str, dict[str, float]]]:
     """:func:`node_figures` for each window, each node's series aggregated once and not kept (a long run's
     per-node series, kept, would cost more than the rest of the summary)."""
-    tel = telemetry_of(rows)
-    out: list[dict[str, dict[str, float]]] = [{} for _ in windows]
-    for node in nodes(tel):
-        figs: list[dict[str, float]] = [{} for _ in windows]
-        for name in dict.fromkeys(name for _, name, _ in NODE_FIGURES):
-            t, v = tel.aggregate(tel.selected(name, node), how(name))
-            for w, (t0, t1) in enumerate(windows):
-                vals = v[(t >= t0) & (t <= t1)]
-                if not vals.size:
-                    continue
-                for key, of, stat in NODE_FIGURES:
-                    if of == name:
-                        fn = {"mean": np.mean, "max": np.max, "min": np.min}[stat]
-                        figs[w][key] = round(float(fn(vals)), 4)
-        for w, (t0, t1) in enumerate(windows):
-            f = {key: figs[w][key] for key, _, _ in NODE_FIGURES if key in figs[w]}  # NODE_FIGURES' key order
-            for d in ("rx", "tx"):
-                if f"net_{d}_bytes_s_mean" in f:
-                    f[f"net_{d}_gbps_mean"] = round(f[f"net_{d}_bytes_s_mean"] * 8 / 1e9, 4)
-            nic = tel.nic_utilisation(node, t0, t1)
-            if nic is not None and "link_util_max" not in f:
-                f["link_util_max"] = nic
-            if f:
-                out[w][node] = f
-    return out
+    figures = NodeFigures(windows)
+    figures.add(telemetry_of(rows))
+    return figures.result()
 
 
 def nic_utilisation(rows: Telemetry | list[dict[str, Any]]) -> float | None:
@@ -139,3 +118,66 @@ def _under_share(held: dict[str, float], ratio: float, n_replicas: int) -> dict[
         return None
     return {"metric": "requests_held", "hot": top, "hot_value": round(held[top], 3), "cold": low,
             "cold_value": round(held[low], 3), "fair_share": round(fair, 3)}
+
+
+class Stat:
+    """Count, sum, extremes and first/last value of the samples seen, in time order."""
+
+    def __init__(self) -> None:
+        self.n, self.total, self.hi, self.lo = 0, 0.0, -math.inf, math.inf
+        self.first = self.last = math.nan
+
+    def add(self, v: np.ndarray) -> None:
+        if v.size:
+            if not self.n:
+                self.first = float(v[0])
+            self.n += v.size
+            self.total += float(np.sum(v))
+            self.hi, self.lo = max(self.hi, float(np.max(v))), min(self.lo, float(np.min(v)))
+            self.last = float(v[-1])
+
+    def of(self, stat: str) -> float:
+        return {"mean": self.total / self.n if self.n else math.nan, "max": self.hi, "min": self.lo}[stat]
+
+
+def cut(s: Series, lo: float, hi: float) -> Series:
+    """The samples with lo ≤ t < hi (a slice's own)."""
+    a, b = np.searchsorted(s.t, lo, "left"), np.searchsorted(s.t, hi, "left")
+    return Series(s.t[a:b], s.v[a:b])
+
+
+class NodeFigures:
+    """Per window, per node: ``NODE_FIGURES`` and the busiest NIC's utilisation, fed slices in time order."""
+
+    def __init__(self, windows: list[tuple[float, float]]):
+        self.windows = windows
+        self.stats: list[dict[str, dict[str, Stat]]] = [{} for _ in windows]
+        self.nic: list[dict[str, float]] = [{} for _ in windows]
+
+    def add(self, tel: Telemetry, lo: float = -math.inf, hi: float = math.inf) -> None:
+        top = np.nextafter(hi, -math.inf)  # a slice's last sample time at most (its end is the next one's)
+        for node in nodes(tel):
+            for name in dict.fromkeys(name for _, name, _ in NODE_FIGURES):
+                s = cut(Series(*tel.aggregate(tel.selected(name, node), how(name))), lo, hi)
+                for w, (t0, t1) in enumerate(self.windows):
+                    self.stats[w].setdefault(node, {}).setdefault(name, Stat()).add(s.within(t0, t1).v)
+            for w, (t0, t1) in enumerate(self.windows):
+                nic = tel.nic_utilisation(node, max(t0, lo), min(t1, top))
+                if nic is not None:
+                    self.nic[w][node] = max(nic, self.nic[w].get(node, -math.inf))
+
+    def result(self) -> list[dict[str, dict[str, float]]]:
+        out: list[dict[str, dict[str, float]]] = [{} for _ in self.windows]
+        for w in range(len(self.windows)):
+            for node in sorted(set(self.stats[w]) | set(self.nic[w])):
+                stats = self.stats[w].get(node, {})
+                f = {key: round(stats[name].of(stat), 4) for key, name, stat in NODE_FIGURES
+                     if name in stats and stats[name].n}
+                for d in ("rx", "tx"):
+                    if f"net_{d}_bytes_s_mean" in f:
+                        f[f"net_{d}_gbps_mean"] = round(f[f"net_{d}_bytes_s_mean"] * 8 / 1e9, 4)
+                if node in self.nic[w] and "link_util_max" not in f:
+                    f["link_util_max"] = self.nic[w][node]
+                if f:
+                    out[w][node] = f
+        return out

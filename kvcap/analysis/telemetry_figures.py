@@ -1,0 +1,95 @@
+"""The telemetry figures of ``summary.json`` — per level window: the server's running/waiting/parked, link, GPU,
+KV and network figures, preemptions, the waiting trend and per-node figures; over the run: the most requests held
+at once and whether any ever waited — added up a time slice at a time (``telemetry_slices``).
+
+Why: each figure is a mean, maximum, minimum, first/last value or least-squares trend over the samples in a
+window, and each of those adds up exactly over slices of time (sums and counts, extremes, the first and the last,
+the trend's centred sums merged). With one slice — any run shorter than ``SLICE_S`` — every figure is the same
+float the whole series gives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kvcap.analysis.capacity import TrendSums
+from kvcap.analysis.telemetry import Series, Telemetry, series_of
+from kvcap.analysis.telemetry_nodes import NodeFigures, Stat, cut, nodes
+
+Window = tuple[float, float]
+LEVEL_FIGURES = (("link_util_max", "link.util", "max"), ("gpu_util_mean", "gpu.util", "mean"),
+                 ("kv_usage_mean", "server.kv_usage", "mean"), ("kv_usage_max", "server.kv_usage", "max"),
+                 ("net_rx_bytes_s_mean", "net.rx_bytes_s", "mean"), ("net_tx_bytes_s_mean", "net.tx_bytes_s", "mean"))
+"""(key, series, statistic) of a level's cluster-wide figures, in ``summary.json``'s order."""
+HELD = (("running", "server.requests_running"), ("waiting", "server.requests_waiting"),
+        ("parked", "server.requests_parked"))
+
+
+class TelemetryFigures:
+    """Every telemetry figure of a summary, over ``windows`` (one per level), fed slices in time order."""
+
+    def __init__(self, windows: list[Window]):
+        self.windows = windows
+        self.stats: list[dict[str, Stat]] = [{} for _ in windows]
+        self.waiting_trend = [TrendSums() for _ in windows]
+        self.resident: list[tuple[float, float]] = []
+        self.waiting: list[tuple[float, float]] = []
+        self.parked = False
+        self.nodes = NodeFigures(windows)
+        self.server_pairs: set[tuple[Any, Any]] = set()
+        self.node_names: set[str] = set()
+
+    def add(self, tel: Telemetry, lo: float = -math.inf, hi: float = math.inf) -> None:
+        held = {key: cut(series_of(tel, name), lo, hi) for key, name in HELD}
+        parked = held["parked"]
+        self.parked = self.parked or bool(parked)
+        resident = held["running"].plus(parked) if parked else held["running"]
+        for s, out in ((resident, self.resident), (held["waiting"], self.waiting)):
+            if s:
+                i = int(np.argmax(s.v))
+                out.append((float(s.t[i]), float(s.v[i])))
+        cluster = {name: cut(series_of(tel, name), lo, hi)
+                   for name in dict.fromkeys([n for _, n, _ in LEVEL_FIGURES] + ["server.preemptions_total"])}
+        for w, (t0, t1) in enumerate(self.windows):
+            stats = self.stats[w]
+            for key, s in held.items():
+                stats.setdefault(key, Stat()).add(s.within(t0, t1).v)
+            for name, s in cluster.items():
+                stats.setdefault(name, Stat()).add(s.within(t0, t1).v)
+            inside = held["waiting"].within(t0, t1)
+            self.waiting_trend[w].add(inside.t, inside.v)
+        self.nodes.add(tel, lo, hi)
+        self.node_names |= set(nodes(tel))
+        self.server_pairs |= {(tel.meta[i][2].get("node"), tel.meta[i][2].get("replica"))
+                              for i in tel.by_name.get("server.requests_running", [])}
+
+    def level(self, w: int) -> dict[str, Any]:
+        """A level's figures, keyed and ordered as ``summary.json`` has them."""
+        stats, out = self.stats[w], {}
+        for key, _ in HELD:
+            s = stats.get(key)
+            if s is not None and s.n:
+                figs = {"max": s.hi, "mean": round(s.of("mean"), 3)}
+                for stat in ("mean", "max") if key == "waiting" else ("max", "mean"):
+                    out[f"server_{key}_{stat}"] = figs[stat]
+        for key, name, stat in LEVEL_FIGURES:
+            s = stats.get(name)
+            if s is not None and s.n:
+                out[key] = round(s.of(stat), 4)
+        return out
+
+    def preemptions(self, w: int) -> float:
+        s = self.stats[w].get("server.preemptions_total")
+        return s.last - s.first if s is not None and s.n >= 2 else 0
+
+    def servers(self) -> int:
+        """How many servers report a running count (``telemetry_nodes.servers``)."""
+        return len(self.server_pairs) or len(self.node_names) or 1
+
+    def maxima(self, of: list[tuple[float, float]]) -> Series:
+        """Each slice's maximum (and when): a series whose maximum, and whether any value reaches a bound, are the
+        whole one's."""
+        return Series(np.array([t for t, _ in of]), np.array([v for _, v in of]))
