@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -150,8 +151,9 @@ def test_no_request_is_kept_once_recorded(streamed: dict[str, Any]) -> None:
 def _eager(run: sim_run._LevelRun) -> None:
     """The old open loop's start: every scheduled request built and submitted before the clock starts (a function,
     not a subclass: the compiled ``_LevelRun`` is a native class)."""
-    run.specs = [(t, *run.lengths.next(), ()) for t in rate_schedule(run.plan, run.level, run.repeat)]
-    for t, i_tok, o_tok, hashes in run.specs:
+    specs = [(t, *run.lengths.next(), ()) for t in rate_schedule(run.plan, run.level, run.repeat)]
+    run.arrivals = [t for t, *_ in specs]
+    for t, i_tok, o_tok, hashes in specs:
         req = run.new_request(t, i_tok, o_tok, tuple(hashes))
         if req.tags["phase"] == "measure":
             run.last_measured = t
@@ -178,7 +180,9 @@ def _open_loop(start: Callable[[sim_run._LevelRun], None], out: Path, rate: floa
     t_end, cancelled = run.run()
     writer.level(run.info(t_end, 1.0, len(cancelled)))
     writer.close()
-    return {"dir": RunDir(out), "live": live, "scheduled": len(run.specs), "cancelled": len(cancelled)}
+    schedule = sys.getsizeof(run.arrivals) + sys.getsizeof(run.sim._feed_keys) + sys.getsizeof(run.sim._feed_order)
+    return {"dir": RunDir(out), "live": live, "scheduled": len(run.arrivals), "cancelled": len(cancelled),
+            "schedule_bytes": schedule}
 
 
 @pytest.mark.parametrize("rate", [4.0, 30.0])  # within capacity; far past it (cancelled at the drain limit)
@@ -194,3 +198,6 @@ def test_a_fed_schedule_runs_as_the_submitted_one(tmp_path: Path, rate: float) -
     assert max(eager["live"]) >= fed["scheduled"] - 100
     if rate < 10:  # within capacity: a few in flight (the queue grows past it: the overloaded level holds it)
         assert max(fed["live"]) < fed["scheduled"] / 10
+    # the schedule itself: each arrival's time and its key, ~8 bytes each (no float object, no order list: a list
+    # of floats would take 32 bytes an entry)
+    assert fed["schedule_bytes"] <= 20 * fed["scheduled"] + 1000

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from kvcap.sim.rounding import round_to
 from kvcap.sim.sampler import Sampler
 from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import Scenario, scenario_noting
-from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
+from kvcap.workload.loadplan import LoadPlan, rate_offsets, trace_schedule
 
 LEVEL_GAP_S = 1.0
 MAX_EVENTS = 50_000_000
@@ -209,8 +210,12 @@ class _LevelRun:
                                copy=telemetry_copy)
         wl = cm.scenario.workload
         self.lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, repeat))
-        self.specs: list[tuple[float, int, int, Any]] = []
-        """Open loop and trace: (arrival, input tokens, output tokens, hash ids) of every request."""
+        self.arrivals: Sequence[float] = []
+        """Open loop and trace: every request's arrival (s), in schedule order (an open loop's: 8 bytes each)."""
+        self.trace_rows: list[Any] = []
+        """Trace: the rows replayed (their lengths and hash ids), in schedule order."""
+        self.drawn = 0
+        """Open loop: requests whose lengths were drawn (one at a time, as they arrive, in schedule order)."""
         self.last_measured: float | None = None
 
     # ------------------------------------------------------------------ requests in and out
@@ -257,23 +262,33 @@ class _LevelRun:
                 self.issue(0.0)
             return
         if self.mode == "trace":
-            rows, offsets = trace_schedule(self.plan)
-            self.specs = [(t, r.input_tokens, r.output_tokens, r.hash_ids) for t, r in zip(offsets, rows)]
+            self.trace_rows, offsets = trace_schedule(self.plan)
+            self.arrivals = offsets
         else:
-            self.specs = [(t, *self.lengths.next(), ()) for t in rate_schedule(self.plan, self.level, self.repeat)]
+            self.arrivals = array("d", rate_offsets(self.plan, self.level, self.repeat).tobytes())
         # the schedule is counted now (rid = position + 1, as if each were sent now); each request is built only
-        # when it arrives (Simulation.feed), so memory holds the requests in flight, not the whole schedule
-        for t, *_ in self.specs:
-            if t >= self.measure_start:
-                self.measured += 1
-                self.last_measured = t
-        self.rid = self.inflight = len(self.specs)
-        self.sim.feed([spec[0] for spec in self.specs], self._scheduled)
+        # when it arrives (Simulation.feed), so memory holds the schedule's times and the requests in flight
+        times = np.frombuffer(self.arrivals, float) if isinstance(self.arrivals, array) else np.asarray(self.arrivals,
+                                                                                                         float)
+        measured = np.flatnonzero(times >= self.measure_start)
+        self.measured += int(measured.size)
+        if measured.size:
+            self.last_measured = float(times[measured[-1]])
+        self.rid = self.inflight = len(self.arrivals)
+        self.sim.feed(self.arrivals, self._scheduled)
 
     def _scheduled(self, i: int) -> SimRequest:
         """The schedule's i-th request, as it arrives (open loop and trace)."""
-        t, i_tok, o_tok, hashes = self.specs[i]
-        req = SimRequest(rid=i + 1, arrival=t, prompt=i_tok, max_out=o_tok, hashes=tuple(hashes),
+        t = self.arrivals[i]
+        if self.trace_rows:
+            row = self.trace_rows[i]
+            i_tok, o_tok, hashes = row.input_tokens, row.output_tokens, tuple(row.hash_ids)
+        else:  # an open loop's arrivals come in schedule order: the lengths drawn in it, as bench draws them
+            if i != self.drawn:
+                raise RuntimeError(f"open-loop request {i} arrived out of schedule order (next: {self.drawn})")
+            self.drawn += 1
+            (i_tok, o_tok), hashes = self.lengths.next(), ()
+        req = SimRequest(rid=i + 1, arrival=t, prompt=i_tok, max_out=o_tok, hashes=hashes,
                          tags={**self.base, "phase": "warmup" if t < self.measure_start else "measure"})
         self.live[req.rid] = req
         return req
@@ -284,8 +299,8 @@ class _LevelRun:
         drain timeout; unbounded for a closed loop counted in requests."""
         finite_end = self.measure_end if math.isfinite(self.measure_end) else 0.0
         cap = finite_end + self.plan.drain_timeout_s if math.isfinite(self.measure_end) else math.inf
-        if self.mode != "concurrency" and self.specs:
-            cap = max(self.specs[-1][0], finite_end) + self.plan.drain_timeout_s
+        if self.mode != "concurrency" and self.arrivals:
+            cap = max(self.arrivals[-1], finite_end) + self.plan.drain_timeout_s
         return cap
 
     def run(self) -> tuple[float, list[SimRequest]]:
@@ -343,7 +358,7 @@ class _LevelRun:
                     "waiting_peak": max(r.waiting_peak for r in reps),
                     "finished": self.ok, "errors": self.errors, "cancelled": cancelled}}
         if self.mode == "trace":
-            info["trace_requests"] = len(self.specs)
+            info["trace_requests"] = len(self.arrivals)
         return info
 
 
