@@ -144,5 +144,5 @@ def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes:
     except BaseException:
         sink.discard()
         raise
-    sink.close(list(keys.ids), list(errors.ids), sink.rows, taken_from)
+    sink.close(list(keys.ids), list(errors.ids), sink.appended, taken_from)
     return out
