@@ -6,14 +6,20 @@ cannot be sliced exactly (rows out of time order) is read whole."""
 from __future__ import annotations
 
 import json
+import math
+import tempfile
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from kvcap.analysis import telemetry_slices
-from kvcap.analysis.column_file import TelemetryWriter, fingerprint, telemetry_span
+from kvcap.analysis.column_file import Damaged, TelemetryWriter, fingerprint, telemetry_span
+from kvcap.analysis.level_blocks import Spill
 from kvcap.analysis.summary import build_summary
-from kvcap.analysis.telemetry import read_telemetry
+from kvcap.analysis.telemetry import Telemetry, read_telemetry
+from kvcap.analysis.telemetry_nodes import NodeFigures
 from kvcap.rundir import COLUMN_COPIES, TELEMETRY, RunDir
 
 from .conftest import ROOT, run_cli
@@ -100,3 +106,49 @@ def test_the_sims_copy_says_its_span(long_run: Path) -> None:
     levels = [json.loads(line) for line in (long_run / "levels.jsonl").read_text().splitlines()]
     assert span is not None and span[2] is True and span[0] == 0.0
     assert levels[-1]["measure_end_s"] <= span[1] <= levels[-1]["measure_end_s"] + 60
+
+
+def test_nic_utilisation_adds_up_over_slices() -> None:
+    """A NIC's line rate stops being reported before the window ends: each slice's peaks are divided by the
+    window's last rate, as the whole window's are (not by whatever rate the slice saw)."""
+    rows = []
+    for t in range(20):
+        if t < 5:
+            rows.append({"t_s": float(t), "source": "node", "name": "net.speed_bytes_s",
+                         "labels": {"node": "n0", "device": "eth0"}, "value": 1e9 if t < 3 else 2e9})
+        rx = 1e9 if t == 15 else 1e8 * (1 + t % 7)  # the peak in the last slice, which sees no line rate
+        for name, value in (("net.rx_bytes_s", rx), ("net.tx_bytes_s", 5e7 * (1 + t % 3))):
+            rows.append({"t_s": float(t), "source": "node", "name": name, "labels": {"node": "n0", "device": "eth0"},
+                         "value": value})
+    windows = [(0.0, 19.0), (2.0, 12.0)]
+    whole = NodeFigures(windows)
+    whole.add(Telemetry(rows))
+    sliced = NodeFigures(windows)
+    for lo, hi in ((-math.inf, 4.0), (4.0, 9.0), (9.0, math.inf)):
+        sliced.add(Telemetry([r for r in rows if lo <= r["t_s"] < hi]), lo, hi)
+    got = sliced.result()
+    assert got == whole.result()
+    assert got[0]["n0"]["link_util_max"] == round(1e9 / 2e9, 4) and got[1]["n0"]["link_util_max"] == 0.35
+
+
+def test_a_copy_that_changes_while_sliced_is_read_whole(long_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = _summary(long_run)
+    original = telemetry_slices._slices
+
+    def changed(*args: Any) -> Any:
+        gen = original(*args)
+        yield next(gen)
+        raise Damaged("the copy changed")
+
+    monkeypatch.setattr(telemetry_slices, "SLICE_S", 5.0)
+    monkeypatch.setattr(telemetry_slices, "_slices", changed)
+    assert _summary(long_run) == whole
+
+
+def test_blocks_stay_in_memory_where_no_temporary_file_can_be_made(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    spill = Spill(tmp_path / "missing-too")
+    block = {"start": np.arange(5.0), "w0": np.arange(5, dtype=np.int32)}
+    where = spill.put(block)
+    assert spill.in_memory and all(np.array_equal(spill.get(where)[k], v) for k, v in block.items())

@@ -4,7 +4,8 @@ one block at a time, however many records it has.
 Why: a million-request level held as columns took ~130 bytes a request, and the statistics' temporaries as
 much again — memory that grew with the run. The statistics (``stats.summarize_level``, ``capacity.stationarity``)
 make two or three passes over the blocks instead: sums and counts in the first, exact order statistics by
-bucket in the next (``quantiles.OrderStats``). The blocks go to one unnamed temporary file beside the run
+bucket in the next (``quantiles.OrderStats``: percentiles equal to numpy's over all the rows; a mean is the sum
+of its blocks' sums, which can differ from ``np.mean`` over all the rows in its last bits). The blocks go to one unnamed temporary file beside the run
 (``tempfile.TemporaryFile``: no name, so nothing is left behind, even by a killed process), written once and read
 back a block at a time; a level under ``columns.BLOCK_ROWS`` rows never touches it.
 """
@@ -23,32 +24,42 @@ from kvcap.analysis.quantiles import ItlValues
 
 
 class Spill:
-    """Blocks of columns appended to an unnamed temporary file (in ``near`` when it can be, else the system's);
-    each ``put`` returns where its block is, for ``get``."""
+    """Blocks of columns appended to an unnamed temporary file (in ``near`` when it can be, else the system's, else
+    none: kept in memory); each ``put`` returns where its block is, for ``get``."""
 
     def __init__(self, near: Path | None = None):
         self.near = near
         self._file: IO[bytes] | None = None
+        self.in_memory = False
+        """True when no temporary file could be made anywhere: blocks are then kept as they are."""
 
-    def _open(self) -> IO[bytes]:
-        if self._file is None:
+    def _open(self) -> IO[bytes] | None:
+        if self._file is None and not self.in_memory:
             try:
                 self._file = tempfile.TemporaryFile(dir=self.near)  # noqa: SIM115 (held for the level's life)
             except OSError:  # a read-only run directory: the system's temporary directory
-                self._file = tempfile.TemporaryFile()  # noqa: SIM115
+                try:
+                    self._file = tempfile.TemporaryFile()  # noqa: SIM115
+                except OSError:  # nowhere to write: the blocks stay in memory, as before blocks
+                    self.in_memory = True
         return self._file
 
-    def put(self, arrays: dict[str, np.ndarray]) -> tuple[int, tuple[str, ...]]:
+    def put(self, arrays: dict[str, np.ndarray]) -> Any:
         f = self._open()
+        if f is None:
+            return arrays
         f.seek(0, 2)
         at = f.tell()
         for a in arrays.values():
             np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
         return at, tuple(arrays)
 
-    def get(self, where: tuple[int, tuple[str, ...]]) -> dict[str, np.ndarray]:
+    def get(self, where: Any) -> dict[str, np.ndarray]:
+        if isinstance(where, dict):
+            return dict(where)
         at, names = where
         f = self._open()
+        assert f is not None
         f.seek(at)
         return {name: np.lib.format.read_array(f, allow_pickle=False) for name in names}
 

@@ -61,8 +61,9 @@ def summarize_level(records: Level | LevelArrays | list[dict[str, Any]], windows
     """Statistics of one (mode, level) over its repeats. ``windows``: repeat → measured window (run seconds).
 
     Two passes over the level's blocks (``level_blocks``): counts, sums and the samples' buckets, then the exact
-    values at the ranks the percentiles ask for — the figures of one pass over all the rows at once, in memory
-    bounded by a block."""
+    values at the ranks the percentiles ask for — in memory bounded by a block. Counts, percentiles and
+    intervals are those of all the rows at once; a float sum (a mean, the time in flight) is the sum of its
+    blocks' sums, the same float for a level of one block and within the last bits otherwise."""
     level = as_level(records, slo, list(windows.values()))
     reps = sorted(windows)
     tokens, good_tokens, done = dict.fromkeys(reps, 0), dict.fromkeys(reps, 0), dict.fromkeys(reps, 0)

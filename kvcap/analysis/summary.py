@@ -17,9 +17,8 @@ from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
 from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.stats import check_slo, summarize_level
-from kvcap.analysis.telemetry_figures import TelemetryFigures
+from kvcap.analysis.telemetry_figures import telemetry_figures
 from kvcap.analysis.telemetry_nodes import imbalance
-from kvcap.analysis.telemetry_slices import telemetry_slices
 from kvcap.rundir import REQUESTS, RunDir
 from kvcap.specs.load import LIMIT_RULE
 
@@ -44,9 +43,7 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
     own = {key: known[key] if infos.get(key) else (by_level.get(key) or Level.of(LevelArrays())).own_windows()
            for key in keys}
     first = {key: next(iter(w.values()), (0.0, 0.0)) for key, w in own.items()}
-    figures = TelemetryFigures([first[k] for k in keys])
-    for tel, lo, hi in telemetry_slices(run, write_copy=write_copies):
-        figures.add(tel, lo, hi)
+    figures = telemetry_figures(run, [first[k] for k in keys], write_copies)
     node_names = sorted(figures.node_names)
     per_node = dict(zip(keys, figures.nodes.result())) if node_names else {}
     for key in keys:

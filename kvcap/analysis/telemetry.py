@@ -203,27 +203,64 @@ class Telemetry:
     def nic_utilisation(self, node: str | None = None, t0: float = -math.inf, t1: float = math.inf) -> float | None:
         """Busiest NIC direction as a fraction of its line rate (node exporter's ``net.speed_bytes_s``), per sample,
         over [t0, t1]."""
-        speed: dict[Any, float] = {}
+        return nic_best(self.nic_parts(node, t0, t1))
+
+    def nic_parts(self, node: str | None, t0: float, t1: float) -> NicParts:
+        """What :meth:`nic_utilisation` takes from [t0, t1], as parts that add up over slices of time
+        (:func:`merge_nic_parts`): per speed series its device and last positive sample, per rx/tx series its
+        device and peak (NaN if a sample is)."""
+        speeds: dict[int, tuple[Any, float]] = {}
         for i in self._of_node("net.speed_bytes_s", node):
             t, v = self.grid(i)
             v = v[_window(t, t0, t1)]
-            for x in v[v > 0].tolist():
-                speed[self.meta[i][2].get("device")] = x
-        best = None
-        for name in ("net.rx_bytes_s", "net.tx_bytes_s"):
+            v = v[v > 0]
+            if v.size:
+                speeds[i] = (self.meta[i][2].get("device"), float(v[-1]))
+        peaks: dict[tuple[int, int], tuple[Any, float]] = {}
+        for k, name in enumerate(("net.rx_bytes_s", "net.tx_bytes_s")):
             for i in self._of_node(name, node):
-                dev = self.meta[i][2].get("device")
                 t, v = self.grid(i)
                 v = v[_window(t, t0, t1)]
-                if dev in speed and v.size:
-                    u = float(np.max(v / speed[dev]))
-                    best = u if best is None or u > best else best
-        return None if best is None else round(best, 4)
+                if v.size:
+                    peaks[(k, i)] = (self.meta[i][2].get("device"), float(np.max(v)))
+        return speeds, peaks
 
     def _of_node(self, name: str, node: str | None) -> list[int]:
         """The kept series of ``name``, or of ``name`` on one node."""
         idx = self.by_name.get(name, [])
         return idx if node is None else [i for i in idx if self.meta[i][2].get("node") == node]
+
+
+NicParts = tuple[dict[int, tuple[Any, float]], dict[tuple[int, int], tuple[Any, float]]]
+"""``Telemetry.nic_parts``: speeds (series → device, last positive sample) and peaks ((rx 0 / tx 1, series) →
+device, peak)."""
+
+
+def merge_nic_parts(into: NicParts, later: NicParts) -> None:
+    """``later`` (a later slice of time) into ``into``: a series' last speed is its latest, its peak the larger."""
+    into[0].update(later[0])
+    for key, (dev, peak) in later[1].items():
+        before = into[1].get(key)
+        if before is not None and not math.isnan(before[1]) and not math.isnan(peak):
+            peak = max(peak, before[1])
+        elif before is not None:
+            peak = math.nan
+        into[1][key] = (dev, peak)
+
+
+def nic_best(parts: NicParts) -> float | None:
+    """The busiest direction's peak over its NIC's line rate: each device's rate its speed series' last positive
+    sample (the last series in order that has one); rx series first, then tx, each in series order (the first
+    ratio found stands against a NaN). A peak over a rate is the peak of the ratios (division by a positive
+    number keeps the order)."""
+    speed = {dev: x for _, (dev, x) in sorted(parts[0].items())}
+    best = None
+    for key in sorted(parts[1]):
+        dev, peak = parts[1][key]
+        if dev in speed:
+            u = peak / speed[dev]
+            best = u if best is None or u > best else best
+    return None if best is None else round(best, 4)
 
 
 CONVERT_EVERY = 65_536

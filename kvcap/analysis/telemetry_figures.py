@@ -3,9 +3,11 @@ KV and network figures, preemptions, the waiting trend and per-node figures; ove
 at once and whether any ever waited — added up a time slice at a time (``telemetry_slices``).
 
 Why: each figure is a mean, maximum, minimum, first/last value or least-squares trend over the samples in a
-window, and each of those adds up exactly over slices of time (sums and counts, extremes, the first and the last,
-the trend's centred sums merged). With one slice — any run shorter than ``SLICE_S`` — every figure is the same
-float the whole series gives.
+window, and each of those adds up over slices of time: extremes, first/last values and the NIC peaks exactly; a
+mean as the sum of its slices' sums (the last bits of a float sum depend on its order, so a mean rounded to 4
+decimals over a window longer than a slice can differ in that last digit from ``np.mean`` over the whole, rarely:
+~0.1% of figures); the trend's centred sums merged (``capacity.TrendSums``). With one slice — any run shorter than
+``SLICE_S`` — every figure is the same float the whole series gives.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import TrendSums
-from kvcap.analysis.telemetry import Series, Telemetry, series_of
+from kvcap.analysis.column_file import Damaged
+from kvcap.analysis.telemetry import Series, Telemetry, read_telemetry, series_of
 from kvcap.analysis.telemetry_nodes import NodeFigures, Stat, cut, nodes
+from kvcap.analysis.telemetry_slices import telemetry_slices
+from kvcap.rundir import RunDir
 
 Window = tuple[float, float]
 LEVEL_FIGURES = (("link_util_max", "link.util", "max"), ("gpu_util_mean", "gpu.util", "mean"),
@@ -26,6 +31,19 @@ LEVEL_FIGURES = (("link_util_max", "link.util", "max"), ("gpu_util_mean", "gpu.u
 """(key, series, statistic) of a level's cluster-wide figures, in ``summary.json``'s order."""
 HELD = (("running", "server.requests_running"), ("waiting", "server.requests_waiting"),
         ("parked", "server.requests_parked"))
+
+
+def telemetry_figures(run: RunDir, windows: list[Window], write_copy: bool = False) -> TelemetryFigures:
+    """The run's telemetry figures over ``windows``, a slice at a time where it can be; read whole if its copy
+    changed while it was read in slices (then the JSONL, as ``read_telemetry`` falls back)."""
+    figures = TelemetryFigures(windows)
+    try:
+        for tel, lo, hi in telemetry_slices(run, write_copy=write_copy):
+            figures.add(tel, lo, hi)
+    except Damaged:
+        figures = TelemetryFigures(windows)
+        figures.add(read_telemetry(run, write_copy=write_copy))
+    return figures
 
 
 class TelemetryFigures:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.telemetry import Series, Telemetry, how, telemetry_of
+from kvcap.analysis.telemetry import NicParts, Series, Telemetry, how, merge_nic_parts, nic_best, telemetry_of
 
 NODE_FIGURES: tuple[tuple[str, str, str], ...] = (
     ("gpu_util_mean", "gpu.util", "mean"),
@@ -152,7 +152,7 @@ class NodeFigures:
     def __init__(self, windows: list[tuple[float, float]]):
         self.windows = windows
         self.stats: list[dict[str, dict[str, Stat]]] = [{} for _ in windows]
-        self.nic: list[dict[str, float]] = [{} for _ in windows]
+        self.nic: list[dict[str, NicParts]] = [{} for _ in windows]
 
     def add(self, tel: Telemetry, lo: float = -math.inf, hi: float = math.inf) -> None:
         top = np.nextafter(hi, -math.inf)  # a slice's last sample time at most (its end is the next one's)
@@ -162,9 +162,8 @@ class NodeFigures:
                 for w, (t0, t1) in enumerate(self.windows):
                     self.stats[w].setdefault(node, {}).setdefault(name, Stat()).add(s.within(t0, t1).v)
             for w, (t0, t1) in enumerate(self.windows):
-                nic = tel.nic_utilisation(node, max(t0, lo), min(t1, top))
-                if nic is not None:
-                    self.nic[w][node] = max(nic, self.nic[w].get(node, -math.inf))
+                parts = tel.nic_parts(node, max(t0, lo), min(t1, top))
+                merge_nic_parts(self.nic[w].setdefault(node, ({}, {})), parts)
 
     def result(self) -> list[dict[str, dict[str, float]]]:
         out: list[dict[str, dict[str, float]]] = [{} for _ in self.windows]
@@ -176,8 +175,9 @@ class NodeFigures:
                 for d in ("rx", "tx"):
                     if f"net_{d}_bytes_s_mean" in f:
                         f[f"net_{d}_gbps_mean"] = round(f[f"net_{d}_bytes_s_mean"] * 8 / 1e9, 4)
-                if node in self.nic[w] and "link_util_max" not in f:
-                    f["link_util_max"] = self.nic[w][node]
+                nic = nic_best(self.nic[w][node]) if node in self.nic[w] else None
+                if nic is not None and "link_util_max" not in f:
+                    f["link_util_max"] = nic
                 if f:
                     out[w][node] = f
         return out
