@@ -37,8 +37,9 @@ def trend(t: np.ndarray, y: np.ndarray) -> dict[str, float] | None:
 
 
 class TrendSums:
-    """``trend`` of (t, y) samples fed a slice at a time: one slice's is its own; more merge their means
-    and centred sums (Chan et al.), the residual sum of squares then ``Syy − slope·Sty``."""
+    """``trend`` of (t, y) samples fed a part at a time (a slice of telemetry, a block of records): one part's is its
+    own; more merge their means and centred sums (Chan et al.), the residual sum of squares then
+    ``Syy − slope·Sty``."""
 
     def __init__(self) -> None:
         self.parts: list[tuple[int, float, float, float, float, float, float, float, dict[str, float] | None]] = []
@@ -115,38 +116,20 @@ def stationarity(records: Level | LevelArrays | list[dict[str, Any]], window: tu
 
 
 def _ttft_trend(level: Level) -> tuple[dict[str, float], float] | None:
-    """``trend`` of the measured requests' TTFT over their start, and its median, from the level's blocks (three
-    passes: means and extent, centred sums, residuals — the sums ``trend`` makes in one)."""
-    median = OrderStats()
-    n, sum_t, sum_y, lo, hi = 0, 0.0, 0.0, np.inf, -np.inf
+    """``trend`` of the measured requests' TTFT over their start (:class:`TrendSums` over the level's blocks: a
+    level of one block gives ``trend``'s own floats), and the TTFT's median (a second pass)."""
+    sums, median = TrendSums(), OrderStats()
     for a in level.blocks():
         meas = a.measured & ~np.isnan(a.ttft)
-        if meas.any():
-            t = a.start[meas]
-            n += t.size
-            sum_t += float(np.sum(t))
-            sum_y += float(np.sum(a.ttft[meas]))
-            lo, hi = min(lo, float(t.min())), max(hi, float(t.max()))
-            median.add(a.ttft[meas])
-    if n < 8 or hi - lo <= 0:
+        sums.add(a.start[meas], a.ttft[meas])
+        median.add(a.ttft[meas])
+    tr = sums.result() if sums.n >= 8 else None
+    if tr is None:
         return None
-    t_mean, y_mean = sum_t / n, sum_y / n
-    median.ask(np.array([(n - 1) // 2, n // 2]))
-    sxx = sxy = 0.0
+    median.ask(np.array([(median.n - 1) // 2, median.n // 2]))
     for a in level.blocks():
-        meas = a.measured & ~np.isnan(a.ttft)
-        tc = a.start[meas] - t_mean
-        sxx += float(np.dot(tc, tc))
-        sxy += float(np.dot(tc, a.ttft[meas] - y_mean))
-        median.collect(a.ttft[meas])
-    slope = sxy / sxx
-    rss = 0.0
-    for a in level.blocks():
-        meas = a.measured & ~np.isnan(a.ttft)
-        resid = a.ttft[meas] - y_mean - slope * (a.start[meas] - t_mean)
-        rss += float(np.dot(resid, resid))
-    se = float(np.sqrt(rss / max(n - 2, 1) / sxx))
-    return {"slope": slope, "lower95": slope - 1.645 * se, "span_s": hi - lo}, median.median()
+        median.collect(a.ttft[a.measured & ~np.isnan(a.ttft)])
+    return tr, median.median()
 
 
 def apply_conditions(levels: list[dict[str, Any]], slo: dict[str, float], extra: dict[float, dict[str, Any]],

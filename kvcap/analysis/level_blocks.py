@@ -3,11 +3,12 @@ one block at a time, however many records it has.
 
 Why: a million-request level held as columns took ~130 bytes a request, and the statistics' temporaries as
 much again — memory that grew with the run. The statistics (``stats.summarize_level``, ``capacity.stationarity``)
-make two or three passes over the blocks instead: sums and counts in the first, exact order statistics by
-bucket in the next (``quantiles.OrderStats``: percentiles equal to numpy's over all the rows; a mean is the sum
-of its blocks' sums, which can differ from ``np.mean`` over all the rows in its last bits). The blocks go to one unnamed temporary file beside the run
-(``tempfile.TemporaryFile``: no name, so nothing is left behind, even by a killed process), written once and read
-back a block at a time; a level under ``columns.BLOCK_ROWS`` rows never touches it.
+make two passes over the blocks instead: sums, counts and trend sums in the first, exact order statistics by
+bucket in the second (``quantiles.OrderStats``: percentiles equal to numpy's over all the rows; a mean is the sum
+of its blocks' sums, which can differ from ``np.mean`` over all the rows in its last bits). The blocks go to one
+unnamed temporary file beside the run (``tempfile.TemporaryFile``: no name, so nothing is left behind, even by a
+killed process), written once and read back a block at a time; a level under ``columns.BLOCK_ROWS`` rows never
+touches it.
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ class RecordColumns:
         self.sink, self.chunk = sink, chunk
         self.keys, self.errors = _level_codes(), _error_codes()
         self.buf: list[dict[str, Any]] = []
-        self.records = 0
-        """Records taken into the sink so far."""
 
     def add(self, rec: dict[str, Any]) -> None:
         self.buf.append(rec)
@@ -34,7 +32,6 @@ class RecordColumns:
         if self.buf:
             recs, self.buf = self.buf, []
             self.sink.append(_extract(recs, self.keys, self.errors))
-            self.records += len(recs)
 
     def close_file(self, written: int) -> None:
         """The last records into the column file, and its index written (after ``requests.jsonl`` is closed)."""

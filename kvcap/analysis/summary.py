@@ -44,9 +44,8 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
            for key in keys}
     first = {key: next(iter(w.values()), (0.0, 0.0)) for key, w in own.items()}
     figures = telemetry_figures(run, [first[k] for k in keys], write_copies)
-    node_names = sorted(figures.node_names)
-    per_node = dict(zip(keys, figures.nodes.result())) if node_names else {}
-    for key in keys:
+    per_node = dict(zip(keys, figures.nodes.result())) if figures.node_names else {}
+    for w, key in enumerate(keys):
         mode, level = key
         recs = by_level.get(key) or Level.of(LevelArrays())
         reps = infos.get(key, {})
@@ -62,11 +61,10 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         entry["client_warnings"] = sorted({w for i in reps.values()
                                            for w in (i.get("client") or {}).get("warnings", [])})
         w0, w1 = first[key]
-        w = keys.index(key)
         entry.update(figures.level(w))
-        if node_names:
+        if figures.node_names:
             entry["nodes"] = per_node[key]
-            hot = imbalance(entry["nodes"], replicas=figures.servers(),
+            hot = imbalance(entry["nodes"], replicas=figures.n_servers,
                             in_flight=value if mode == "concurrency" else stats.get("in_flight_mean"))
             if hot:
                 entry["imbalance"] = hot

@@ -20,7 +20,7 @@ import numpy as np
 from kvcap.analysis.capacity import TrendSums
 from kvcap.analysis.column_file import Damaged
 from kvcap.analysis.telemetry import Series, Telemetry, read_telemetry, series_of
-from kvcap.analysis.telemetry_nodes import NodeFigures, Stat, cut, nodes
+from kvcap.analysis.telemetry_nodes import NodeFigures, Stat, cut, nodes, servers
 from kvcap.analysis.telemetry_slices import telemetry_slices
 from kvcap.rundir import RunDir
 
@@ -57,8 +57,9 @@ class TelemetryFigures:
         self.waiting: list[tuple[float, float]] = []
         self.parked = False
         self.nodes = NodeFigures(windows)
-        self.server_pairs: set[tuple[Any, Any]] = set()
-        self.node_names: set[str] = set()
+        self.node_names: list[str] = []
+        self.n_servers = 1
+        """``telemetry_nodes.nodes`` and ``servers``: the same from every slice, which lists every series of the run."""
 
     def add(self, tel: Telemetry, lo: float = -math.inf, hi: float = math.inf) -> None:
         held = {key: cut(series_of(tel, name), lo, hi) for key, name in HELD}
@@ -80,9 +81,7 @@ class TelemetryFigures:
             inside = held["waiting"].within(t0, t1)
             self.waiting_trend[w].add(inside.t, inside.v)
         self.nodes.add(tel, lo, hi)
-        self.node_names |= set(nodes(tel))
-        self.server_pairs |= {(tel.meta[i][2].get("node"), tel.meta[i][2].get("replica"))
-                              for i in tel.by_name.get("server.requests_running", [])}
+        self.node_names, self.n_servers = nodes(tel), servers(tel)
 
     def level(self, w: int) -> dict[str, Any]:
         """A level's figures, keyed and ordered as ``summary.json`` has them."""
@@ -102,10 +101,6 @@ class TelemetryFigures:
     def preemptions(self, w: int) -> float:
         s = self.stats[w].get("server.preemptions_total")
         return s.last - s.first if s is not None and s.n >= 2 else 0
-
-    def servers(self) -> int:
-        """How many servers report a running count (``telemetry_nodes.servers``)."""
-        return len(self.server_pairs) or len(self.node_names) or 1
 
     def maxima(self, of: list[tuple[float, float]]) -> Series:
         """Each slice's maximum (and when): a series whose maximum, and whether any value reaches a bound, are the

@@ -268,8 +268,7 @@ class _LevelRun:
             self.arrivals = array("d", rate_offsets(self.plan, self.level, self.repeat).tobytes())
         # the schedule is counted now (rid = position + 1, as if each were sent now); each request is built only
         # when it arrives (Simulation.feed), so memory holds the schedule's times and the requests in flight
-        times = np.frombuffer(self.arrivals, float) if isinstance(self.arrivals, array) else np.asarray(self.arrivals,
-                                                                                                         float)
+        times = np.asarray(self.arrivals, float)  # a view of an open loop's array, no copy
         measured = np.flatnonzero(times >= self.measure_start)
         self.measured += int(measured.size)
         if measured.size:
