@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvcap.calibrate.published import (  # noqa: E402
+    ITL_KEYS,
     PublishedSet,
     calibrate_and_predict,
     errors_pct,
@@ -90,6 +91,13 @@ def row_text(r: dict[str, Any], fit_on: str, width: int = 24) -> str:
             f"{m['ttft_ms']:6.0f} / {s['ttft_ms']:6.0f} {fmt(e['ttft'])}")
 
 
+def itl_text(r: dict[str, Any], width: int = 24) -> str:
+    """One point's pooled inter-token gap percentiles, measured / simulated and the signed error."""
+    m, s = r["itl_ms"]["measured"], r["itl_ms"]["simulated"]
+    cells = [f"{k[4:7]} {m[k]:6.2f} / {s[k]:6.2f} {fmt(100 * (s[k] / m[k] - 1))}" for k in ITL_KEYS]
+    return f"{r['set']:{width}} {r['level']:>5g} | " + " | ".join(cells)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -105,6 +113,12 @@ def main() -> None:
         print(row_text(r, fit_on) + (" c" if r["ttft_cached"] else ""))
     print("* fitted on a100-qwen2-7b-util0.5's levels, KV pool changed to the 93,872 tokens this set's log states")
     print("c: measured TTFT below the floor of an uncached prefill (FLOPs at the GPU's peak): prefix-cache hits")
+    gaps = [r for r in table if r["itl_ms"] and r["itl_ms"]["simulated"]]
+    if gaps:
+        print()
+        print("inter-token gaps (not fitted; where the step is off): ms measured / simulated")
+        for r in gaps:
+            print(itl_text(r))
     print()
     presets = uncalibrated(sets, table)
     for k, cached in [(m, True) for m in METRICS] + [("ttft", False)]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,12 @@ def scenario_for(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | N
     return {**s.scenario, "serving": serving}
 
 
+ITL_PERCENTILES = (50, 90, 99)
+ITL_KEYS = tuple(f"itl_p{q}_ms" for q in ITL_PERCENTILES)
+"""Inter-token gap percentiles a published point may carry (``benchmark_serving.py`` reports them): not fitted,
+they show where a prediction's step is off — the median is mostly pure decode steps, the upper ones the steps
+that carried prompts."""
+
 REPLAYS = 4
 """Replays of a rate run (each its own arrival draws and order of lengths) whose means stand for it: one order of
 200 requests moves a fitted per-sequence cost by up to 2× (which long request overlaps which, at 1–4 in flight)."""
@@ -165,11 +172,16 @@ def reduce_records(recs: list[dict[str, Any]]) -> tuple[float, float, float, flo
             tokens / span if span > 0 else 0.0, tokens / len(ok))
 
 
+def calibrated(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None) -> Scenario:
+    """The set's scenario with this step cost, slots and KV pool."""
+    return build_scenario(scenario_for(s, cost, slots, kv_tokens), f"published set {s.name}")
+
+
 def simulate_set(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None,
                  levels: list[float]) -> dict[tuple[str, str, float], Observation]:
     """Replay each level of ``s`` in the simulator with this step cost (a rate level :data:`REPLAYS` times, the
     means of their reductions); keyed like ``calibrate.simulate.key``."""
-    scenario = build_scenario(scenario_for(s, cost, slots, kv_tokens), f"published set {s.name}")
+    scenario = calibrated(s, cost, slots, kv_tokens)
     out: dict[tuple[str, str, float], Observation] = {}
     for level in levels:
         o = replay(s, scenario, level)
@@ -178,19 +190,41 @@ def simulate_set(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | N
     return out
 
 
-def replay(s: PublishedSet, scenario: Scenario, level: float) -> Observation | None:
-    """One point of ``s`` simulated with ``scenario`` as the source ran it (a rate level :data:`REPLAYS` times, the
-    means of their reductions); None when no request finished."""
-    got = []
+def _replayed(s: PublishedSet, scenario: Scenario, level: float, record_itl: bool = False
+              ) -> Iterator[list[dict[str, Any]]]:
+    """The records of each run that stands for one point of ``s`` (a rate level :data:`REPLAYS` orders)."""
     with tempfile.TemporaryDirectory(prefix="kvcap-published-") as tmp:
         for i in range(REPLAYS if s.mode == "rate" else 1):
             run = Path(tmp) / f"r{i}"
-            run_sim(SimConfig(scenario=scenario, plan=plan_for(s, level, i), out=run, record_itl=False))
-            got.append(reduce_records(RunDir(run).records()))
+            run_sim(SimConfig(scenario=scenario, plan=plan_for(s, level, i), out=run, record_itl=record_itl))
+            yield RunDir(run).records()
+
+
+def replay(s: PublishedSet, scenario: Scenario, level: float) -> Observation | None:
+    """One point of ``s`` simulated with ``scenario`` as the source ran it (a rate level :data:`REPLAYS` times, the
+    means of their reductions); None when no request finished."""
+    got = [reduce_records(recs) for recs in _replayed(s, scenario, level)]
     ttft, tpot, thr, n_out = (float(np.mean(v)) for v in zip(*got, strict=True))
     if not (math.isfinite(ttft) and math.isfinite(tpot)):
         return None
     return observation(s.name, s.mode, level, ttft, tpot, thr, s.lengths[0], n_out)
+
+
+def itl_measured(s: PublishedSet, level: float) -> dict[str, float] | None:
+    """The point's published inter-token gap percentiles (ms), where the source gives all of :data:`ITL_KEYS`."""
+    point = next((p for p in s.points if p["level"] == level), {})
+    return {k: point[k] for k in ITL_KEYS} if all(k in point for k in ITL_KEYS) else None
+
+
+def itl_simulated(s: PublishedSet, scenario: Scenario, level: float) -> dict[str, float] | None:
+    """The same percentiles over every gap of the point's replays pooled (``benchmark_serving.py`` pools every
+    request's gaps of its one run); None when no gap was produced."""
+    gaps = [np.asarray(r["itl_ms"], dtype=float) for recs in _replayed(s, scenario, level, record_itl=True)
+            for r in recs if r["ok"] and r.get("itl_ms")]
+    if not gaps:
+        return None
+    values = np.percentile(np.concatenate(gaps), ITL_PERCENTILES)
+    return {k: float(v) for k, v in zip(ITL_KEYS, values, strict=True)}
 
 
 @dataclass(frozen=True)
@@ -203,6 +237,8 @@ class Prediction:
     fitted: tuple[float, ...]
     measured: list[Observation]
     simulated: dict[tuple[str, str, float], Observation]
+    itl: dict[tuple[str, str, float], dict[str, float] | None] = field(default_factory=dict)
+    """Simulated inter-token gap percentiles of the points whose source gives them (:func:`itl_measured`)."""
 
 
 def ttft_cached(s: PublishedSet, o: Observation) -> bool:
@@ -241,7 +277,9 @@ def calibrate_and_predict(s: PublishedSet, fit_levels: tuple[float, ...], target
     dest = target or s
     measured = observations(dest) if target else [o for o in obs if o.level not in fit_levels]
     simulated = simulate_set(dest, result.cost, result.slots, dest.kv_tokens, [o.level for o in measured])
-    return Prediction(result, dest, dest.kv_tokens, tuple(fit_levels), measured, simulated)
+    scenario = calibrated(dest, result.cost, result.slots, dest.kv_tokens)
+    itl = {key(o): itl_simulated(dest, scenario, o.level) for o in measured if itl_measured(dest, o.level)}
+    return Prediction(result, dest, dest.kv_tokens, tuple(fit_levels), measured, simulated, itl)
 
 
 def errors_pct(meas: Observation, sim: Observation | None) -> dict[str, float | None]:
@@ -272,5 +310,7 @@ def rows(p: Prediction) -> list[dict[str, Any]]:
         floor = ttft_floor_s(p.target, o.level)
         out.append({"set": o.run, "level": o.level, "in_flight": o.in_flight, "ttft_floor_ms": floor * 1e3,
                     "ttft_cached": ttft_cached(p.target, o), "measured": vals(o),
-                    "simulated": vals(s), "error_pct": errors_pct(o, s)})
+                    "simulated": vals(s), "error_pct": errors_pct(o, s),
+                    "itl_ms": {"measured": itl_measured(p.target, o.level), "simulated": p.itl.get(key(o))}
+                    if key(o) in p.itl else None})
     return out
