@@ -28,7 +28,7 @@ REQUIRED_ARGS = {
 }
 """The least each command needs to get past argparse (nothing here is read: parsing fails first)."""
 
-GPU_PRESETS = "rtx4090, l4, a10, l40s, a100-40gb, a100-80gb, h100-sxm, h200, b200, mi300x"
+GPU_PRESETS = "rtx4090, l4, a10, l40s, a100-40gb, a100-80gb, h100-sxm, h100-pcie, h200, b200, mi300x"
 """kvcap/specs/presets/gpus.yaml's entries in its order."""
 
 

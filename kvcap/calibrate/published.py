@@ -44,6 +44,16 @@ the 43 ms floor). Its TPOT and throughput still count; its TTFT prices no prefil
 its group's lowest-load TTFT, so the refinement takes TTFT from the lowest uncached level."""
 
 
+ITL_PERCENTILES = (50, 90, 99)
+ITL_KEYS = tuple(f"itl_p{q}_ms" for q in ITL_PERCENTILES)
+"""Inter-token gap percentiles a published point may carry (``benchmark_serving.py`` reports them): the median is
+mostly pure decode steps, the upper ones the steps that carried prompts. The fit takes the median of its fitted
+points (:func:`observations`); the upper ones only show where a prediction's step is off. Fitted too, they made
+prompts almost free on the H100 sets (true at 4–16 req/s, 30% short on TTFT at 32, where several prompts share
+a step) and pushed the RTX 4090 Llama sets' per-sequence cost to 0.18–0.29 ms (TPOT +30…+59% at 16–32 req/s):
+a linear step cannot hold both a prompt that rides free beside a few decoders and one that does not."""
+
+
 @dataclass(frozen=True)
 class PublishedSet:
     """One published series: the scenario it ran (GPU, model, engine limits, lengths), how load was offered,
@@ -55,6 +65,14 @@ class PublishedSet:
     requests: int | None
     kv_tokens: int | None
     points: tuple[dict[str, float], ...]
+    seed: int | None = None
+    """``benchmark_serving.py``'s ``--seed`` where the source states it: its arrivals are then known exactly
+    (:func:`rate_replay`)."""
+
+    @property
+    def has_itl(self) -> bool:
+        """Every point carries the source's inter-token gap percentiles (:data:`ITL_KEYS`)."""
+        return all(all(k in p for k in ITL_KEYS) for p in self.points)
 
     @property
     def lengths(self) -> tuple[float, float]:
@@ -73,8 +91,10 @@ def load_sets(path: Path) -> list[PublishedSet]:
             if mode not in MODES:
                 raise ValueError(f"set {s['name']}: load.mode {mode!r} is not one of {', '.join(MODES)}")
             pts = tuple({k: float(v) for k, v in p.items()} for p in s["points"])
+            seed = s["load"].get("seed")
             out.append(PublishedSet(str(s["name"]), s["scenario"], mode, s["load"].get("requests"),
-                                    (s.get("measured") or {}).get("kv_tokens"), pts))
+                                    (s.get("measured") or {}).get("kv_tokens"), pts,
+                                    None if seed is None else int(seed)))
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
         raise InputError(f"published measurements {str(path)!r}: {e}") from None
     return out
@@ -93,14 +113,15 @@ def ttft_floor_s(s: PublishedSet, level: float) -> float:
 
 
 def observation(run: str, mode: str, level: float, ttft_s: float, tpot_s: float, throughput: float,
-                input_tokens: float, output_tokens: float) -> Observation:
+                input_tokens: float, output_tokens: float, pure_step_s: float | None = None) -> Observation:
     """A point of means → an observation. A burst of N decodes N together (``in_flight``); a rate level's
-    in-flight count is Little's law: completions/s (throughput / mean output) × E2E."""
+    in-flight count is Little's law: completions/s (throughput / mean output) × E2E. ``pure_step_s``: the
+    pooled median inter-token gap where the source gives it (see :func:`observations`)."""
     e2e = e2e_s(ttft_s, tpot_s, output_tokens)
     in_flight = level if mode == "burst" else throughput / max(output_tokens, 1.0) * e2e
     return Observation(run=run, mode=mode, level=level, ttft_p50=ttft_s, ttft_p95=ttft_s, tpot_p50=tpot_s,
                        tpot_p95=tpot_s, throughput=throughput, input_tokens=input_tokens,
-                       output_tokens=output_tokens, in_flight=in_flight)
+                       output_tokens=output_tokens, in_flight=in_flight, pure_step=pure_step_s)
 
 
 def e2e_s(ttft_s: float, tpot_s: float, output_tokens: float) -> float:
@@ -109,9 +130,15 @@ def e2e_s(ttft_s: float, tpot_s: float, output_tokens: float) -> float:
 
 
 def observations(s: PublishedSet) -> list[Observation]:
+    """The set's points as the fit's observations. Where the source gives inter-token gap percentiles, the median
+    stands for the pure decode step (``Observation.pure_step``, as a bench run's records give it): at the low
+    loads a fit sees, the 90th percentile is within a few % of the median, so nine gaps in ten carried no prompt
+    and the median is a decode step as the server ran it. TPOT's mean also spreads over its tokens the steps that
+    carried prompts, which a line through TPOT alone reads as cost per sequence (the H100 Llama set's decode
+    line: 0.070 ms a sequence through TPOT, 0.052 through the medians)."""
     n_in, n_out = s.lengths
     return [observation(s.name, s.mode, p["level"], p["ttft_ms"] / 1e3, p["tpot_ms"] / 1e3, p["output_tok_s"],
-                        n_in, n_out) for p in s.points]
+                        n_in, n_out, p["itl_p50_ms"] / 1e3 if s.has_itl else None) for p in s.points]
 
 
 def scenario_for(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None) -> dict[str, Any]:
@@ -120,12 +147,6 @@ def scenario_for(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | N
     serving = {**s.scenario.get("serving", {}), **serving_section(cost, "vllm", slots, kv_tokens)}
     return {**s.scenario, "serving": serving}
 
-
-ITL_PERCENTILES = (50, 90, 99)
-ITL_KEYS = tuple(f"itl_p{q}_ms" for q in ITL_PERCENTILES)
-"""Inter-token gap percentiles a published point may carry (``benchmark_serving.py`` reports them): not fitted,
-they show where a prediction's step is off — the median is mostly pure decode steps, the upper ones the steps
-that carried prompts."""
 
 REPLAYS = 4
 """Replays of a rate run (each its own arrival draws and order of lengths) whose means stand for it: one order of
@@ -143,17 +164,23 @@ def plan_for(s: PublishedSet, level: float, replay: int = 0) -> LoadPlan:
 
 def rate_replay(s: PublishedSet, level: float, seed: int = 0) -> tuple[TraceRow, ...]:
     """A rate run as ``benchmark_serving.py`` makes it, replayed: the same requests at every rate (it samples its
-    prompts once, with a fixed seed), Poisson gaps that are the same draws scaled by 1 / rate (its seeded
-    ``np.random.gamma(1, 1 / rate)``), and — the run's realised draws not being published — gaps scaled so the
-    arrivals span their expected (n − 1) / rate, and lengths at the quantiles of the set's distributions in a
-    fixed shuffled order. So the replayed run's span and mean lengths are the expected ones, not one random
-    sample's: 200 lognormal draws with cv 1 put the mean output anywhere within ±8%, and 199 Poisson gaps the
-    span within ±7% (at 1 req/s the throughput is that span), which moved the fit more than any coefficient."""
+    prompts once, with a fixed seed) and Poisson gaps that are the same draws scaled by 1 / rate — it seeds
+    numpy's global generator with ``--seed`` and draws ``np.random.gamma(1, 1 / rate)`` after each request it
+    sends. Where the source states that seed (``s.seed``) the gaps are exactly its draws: seed 42 puts the 200th of
+    the RTX 4090 / H100 runs' requests at 187.6 s at 1 req/s, and their 1 req/s runs end 2.5–4.5 s (one request's
+    time) after it, at 190.1–192.1 s. Otherwise they are scaled so the arrivals span their expected
+    (n − 1) / rate: 199 Poisson gaps put the span anywhere within ±7% (at 1 req/s the throughput is that span),
+    which moved the fit more than any coefficient. Lengths, which the sources do not list, are at the quantiles
+    of the set's distributions in an order drawn from ``seed`` (the replay's): 200 lognormal draws with cv 1 put
+    the mean output anywhere within ±8%."""
     n = s.requests or 0
     w = s.scenario["workload"]
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0, size=max(n - 1, 0))
-    gaps *= len(gaps) / max(float(gaps.sum()), 1e-12) / level  # the expected span, (n - 1) / rate, exactly
+    if s.seed is not None:
+        gaps = np.random.RandomState(s.seed).gamma(1.0, 1.0 / level, size=max(n - 1, 0))
+    else:
+        gaps = rng.exponential(1.0, size=max(n - 1, 0))
+        gaps *= len(gaps) / max(float(gaps.sum()), 1e-12) / level  # the expected span, (n - 1) / rate, exactly
     lengths_in = rng.permutation(parse_length(w["input_tokens"]).quantiles(n))
     lengths_out = rng.permutation(parse_length(w["output_tokens"]).quantiles(n))
     starts = np.concatenate(([0.0], np.cumsum(gaps)))
@@ -200,14 +227,23 @@ def _replayed(s: PublishedSet, scenario: Scenario, level: float, record_itl: boo
             yield RunDir(run).records()
 
 
+def _gaps(records: list[dict[str, Any]]) -> list[np.ndarray]:
+    return [np.asarray(r["itl_ms"], dtype=float) for r in records if r["ok"] and r.get("itl_ms")]
+
+
 def replay(s: PublishedSet, scenario: Scenario, level: float) -> Observation | None:
     """One point of ``s`` simulated with ``scenario`` as the source ran it (a rate level :data:`REPLAYS` times, the
-    means of their reductions); None when no request finished."""
-    got = [reduce_records(recs) for recs in _replayed(s, scenario, level)]
+    means of their reductions, and where the source gives gap percentiles the median of every replay's gaps
+    pooled); None when no request finished."""
+    got, gaps = [], []
+    for recs in _replayed(s, scenario, level, record_itl=s.has_itl):
+        got.append(reduce_records(recs))
+        gaps += _gaps(recs)
     ttft, tpot, thr, n_out = (float(np.mean(v)) for v in zip(*got, strict=True))
     if not (math.isfinite(ttft) and math.isfinite(tpot)):
         return None
-    return observation(s.name, s.mode, level, ttft, tpot, thr, s.lengths[0], n_out)
+    pure = float(np.median(np.concatenate(gaps))) / 1e3 if gaps else None
+    return observation(s.name, s.mode, level, ttft, tpot, thr, s.lengths[0], n_out, pure)
 
 
 def itl_measured(s: PublishedSet, level: float) -> dict[str, float] | None:
@@ -219,8 +255,7 @@ def itl_measured(s: PublishedSet, level: float) -> dict[str, float] | None:
 def itl_simulated(s: PublishedSet, scenario: Scenario, level: float) -> dict[str, float] | None:
     """The same percentiles over every gap of the point's replays pooled (``benchmark_serving.py`` pools every
     request's gaps of its one run); None when no gap was produced."""
-    gaps = [np.asarray(r["itl_ms"], dtype=float) for recs in _replayed(s, scenario, level, record_itl=True)
-            for r in recs if r["ok"] and r.get("itl_ms")]
+    gaps = [g for recs in _replayed(s, scenario, level, record_itl=True) for g in _gaps(recs)]
     if not gaps:
         return None
     values = np.percentile(np.concatenate(gaps), ITL_PERCENTILES)
