@@ -68,6 +68,14 @@ class PublishedSet:
     seed: int | None = None
     """``benchmark_serving.py``'s ``--seed`` where the source states it: its arrivals are then known exactly
     (:func:`rate_replay`)."""
+    order: tuple[float, ...] = ()
+    """The levels in the order the source ran them on one server, where it says (see :meth:`warm`)."""
+
+    def warm(self, level: float) -> bool:
+        """This level ran after another run of the same prompts on the same server: with vLLM's prefix cache on
+        (V1's default), its prompts were served from what that server still held — the replay does not carry a
+        cache from one run to the next, so such a point's TTFT and prompt steps are dearer in the simulator."""
+        return level in self.order and self.order.index(level) > 0
 
     @property
     def has_itl(self) -> bool:
@@ -94,7 +102,8 @@ def load_sets(path: Path) -> list[PublishedSet]:
             seed = s["load"].get("seed")
             out.append(PublishedSet(str(s["name"]), s["scenario"], mode, s["load"].get("requests"),
                                     (s.get("measured") or {}).get("kv_tokens"), pts,
-                                    None if seed is None else int(seed)))
+                                    None if seed is None else int(seed),
+                                    tuple(float(v) for v in s["load"].get("order", ()))))
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
         raise InputError(f"published measurements {str(path)!r}: {e}") from None
     return out
@@ -344,7 +353,7 @@ def rows(p: Prediction) -> list[dict[str, Any]]:
 
         floor = ttft_floor_s(p.target, o.level)
         out.append({"set": o.run, "level": o.level, "in_flight": o.in_flight, "ttft_floor_ms": floor * 1e3,
-                    "ttft_cached": ttft_cached(p.target, o), "measured": vals(o),
+                    "ttft_cached": ttft_cached(p.target, o), "warm": p.target.warm(o.level), "measured": vals(o),
                     "simulated": vals(s), "error_pct": errors_pct(o, s),
                     "itl_ms": {"measured": itl_measured(p.target, o.level), "simulated": p.itl.get(key(o))}
                     if key(o) in p.itl else None})
