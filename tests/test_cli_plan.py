@@ -38,7 +38,7 @@ def test_plan_scenario_with_set(cli_json):
 
 @pytest.mark.parametrize(("args", "fragment"), [
     (["--model", "llama-3.1-9b"], "unknown model 'llama-3.1-9b': did you mean"),
-    (["--model", "llama-3.1-8b", "--gpu", "h100"], "unknown GPU 'h100': did you mean h100-sxm"),
+    (["--model", "llama-3.1-8b", "--gpu", "h100"], "unknown GPU 'h100': did you mean h100-pcie, h100-sxm"),
     (["--model", "llama-3.1-8b", "--gpu-mem", "24Gib"], "did you mean GiB"),
     (["--model", "llama-3.1-8b", "--link", "100gbs", "--remote-mem", "1TiB"], "did you mean"),
     (["--model", "llama-3.1-8b", "--gpu-mem=-24GiB"], "size must be positive"),

@@ -49,9 +49,10 @@ ITL_KEYS = tuple(f"itl_p{q}_ms" for q in ITL_PERCENTILES)
 """Inter-token gap percentiles a published point may carry (``benchmark_serving.py`` reports them): the median is
 mostly pure decode steps, the upper ones the steps that carried prompts. The fit takes the median of its fitted
 points (:func:`observations`); the upper ones only show where a prediction's step is off. Fitted too, they made
-prompts almost free on the H100 sets (true at 4–16 req/s, 30% short on TTFT at 32, where several prompts share
-a step) and pushed the RTX 4090 Llama sets' per-sequence cost to 0.18–0.29 ms (TPOT +30…+59% at 16–32 req/s):
-a linear step cannot hold both a prompt that rides free beside a few decoders and one that does not."""
+prompts nearly free on the four sets whose fitted levels found their prompts cached (TPOT within 12% at 8–16
+req/s on the H100 sets, but TTFT −31…−61% at the one cold rate, 32 req/s) and pushed the RTX 4090 Llama sets'
+per-sequence cost to 0.18–0.29 ms (TPOT +30…+59% at 16–32 req/s): a linear step cannot hold both a prompt that
+rides free and one that does not."""
 
 
 @dataclass(frozen=True)
@@ -66,21 +67,22 @@ class PublishedSet:
     kv_tokens: int | None
     points: tuple[dict[str, float], ...]
     seed: int | None = None
-    """``benchmark_serving.py``'s ``--seed`` where the source states it: its arrivals are then known exactly
+    """``benchmark_serving.py``'s ``--seed`` where the source states it: its arrivals' draws are then known
     (:func:`rate_replay`)."""
     order: tuple[float, ...] = ()
     """The levels in the order the source ran them on one server, where it says (see :meth:`warm`)."""
 
     def warm(self, level: float) -> bool:
         """This level ran after another run of the same prompts on the same server: with vLLM's prefix cache on
-        (V1's default), its prompts were served from what that server still held — the replay does not carry a
-        cache from one run to the next, so such a point's TTFT and prompt steps are dearer in the simulator."""
+        (V1's default), its prompts may have been served from what that server still held — the replay does not
+        carry a cache from one run to the next, so such a point's TTFT and prompt steps may be dearer in the
+        simulator."""
         return level in self.order and self.order.index(level) > 0
 
-    @property
-    def has_itl(self) -> bool:
-        """Every point carries the source's inter-token gap percentiles (:data:`ITL_KEYS`)."""
-        return all(all(k in p for k in ITL_KEYS) for p in self.points)
+    def itl(self, level: float) -> dict[str, float] | None:
+        """The point's published inter-token gap percentiles (ms), where it gives all of :data:`ITL_KEYS`."""
+        point = next((p for p in self.points if p["level"] == level), {})
+        return {k: point[k] for k in ITL_KEYS} if all(k in point for k in ITL_KEYS) else None
 
     @property
     def lengths(self) -> tuple[float, float]:
@@ -143,11 +145,15 @@ def observations(s: PublishedSet) -> list[Observation]:
     stands for the pure decode step (``Observation.pure_step``, as a bench run's records give it): at the low
     loads a fit sees, the 90th percentile is within a few % of the median, so nine gaps in ten carried no prompt
     and the median is a decode step as the server ran it. TPOT's mean also spreads over its tokens the steps that
-    carried prompts, which a line through TPOT alone reads as cost per sequence (the H100 Llama set's decode
-    line: 0.070 ms a sequence through TPOT, 0.052 through the medians)."""
+    carried prompts, which a line through TPOT alone reads as cost per sequence (the H100 Llama set's refined
+    fits: 0.070 ms a sequence through TPOT alone, 0.052 with the medians)."""
     n_in, n_out = s.lengths
-    return [observation(s.name, s.mode, p["level"], p["ttft_ms"] / 1e3, p["tpot_ms"] / 1e3, p["output_tok_s"],
-                        n_in, n_out, p["itl_p50_ms"] / 1e3 if s.has_itl else None) for p in s.points]
+    out = []
+    for p in s.points:
+        gaps = s.itl(p["level"])
+        out.append(observation(s.name, s.mode, p["level"], p["ttft_ms"] / 1e3, p["tpot_ms"] / 1e3,
+                               p["output_tok_s"], n_in, n_out, gaps["itl_p50_ms"] / 1e3 if gaps else None))
+    return out
 
 
 def scenario_for(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None) -> dict[str, Any]:
@@ -162,29 +168,30 @@ REPLAYS = 4
 200 requests moves a fitted per-sequence cost by up to 2× (which long request overlaps which, at 1–4 in flight)."""
 
 
-def plan_for(s: PublishedSet, level: float, replay: int = 0) -> LoadPlan:
+def plan_for(s: PublishedSet, level: float, order: int = 0) -> LoadPlan:
     """The run the source made: a burst is a closed loop of N with a quota of N (all sent at once, nothing
     after); a rate is its stated request count as a trace (:func:`rate_replay`)."""
     if s.mode == "burst":
         return LoadPlan(mode="concurrency", levels=(level,), warmup_s=0.0, duration_s=None, requests=int(level))
     return LoadPlan(mode="trace", levels=(1.0,), warmup_s=0.0, duration_s=None,
-                    trace=rate_replay(s, level, replay))
+                    trace=rate_replay(s, level, order))
 
 
-def rate_replay(s: PublishedSet, level: float, seed: int = 0) -> tuple[TraceRow, ...]:
+def rate_replay(s: PublishedSet, level: float, order: int = 0) -> tuple[TraceRow, ...]:
     """A rate run as ``benchmark_serving.py`` makes it, replayed: the same requests at every rate (it samples its
     prompts once, with a fixed seed) and Poisson gaps that are the same draws scaled by 1 / rate — it seeds
     numpy's global generator with ``--seed`` and draws ``np.random.gamma(1, 1 / rate)`` after each request it
-    sends. Where the source states that seed (``s.seed``) the gaps are exactly its draws: seed 42 puts the 200th of
+    sends. Where the source states that seed (``s.seed``) the gaps are its draws (the client's sleeps add their own
+    milliseconds): seed 42 puts the 200th of
     the RTX 4090 / H100 runs' requests at 187.6 s at 1 req/s, and their 1 req/s runs end 2.5–4.5 s (one request's
     time) after it, at 190.1–192.1 s. Otherwise they are scaled so the arrivals span their expected
     (n − 1) / rate: 199 Poisson gaps put the span anywhere within ±7% (at 1 req/s the throughput is that span),
     which moved the fit more than any coefficient. Lengths, which the sources do not list, are at the quantiles
-    of the set's distributions in an order drawn from ``seed`` (the replay's): 200 lognormal draws with cv 1 put
-    the mean output anywhere within ±8%."""
+    of the set's distributions in an order drawn from ``order`` (which of the :data:`REPLAYS`): 200 lognormal draws
+    with cv 1 put the mean output anywhere within ±8%."""
     n = s.requests or 0
     w = s.scenario["workload"]
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(order)
     if s.seed is not None:
         gaps = np.random.RandomState(s.seed).gamma(1.0, 1.0 / level, size=max(n - 1, 0))
     else:
@@ -213,17 +220,30 @@ def calibrated(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | Non
     return build_scenario(scenario_for(s, cost, slots, kv_tokens), f"published set {s.name}")
 
 
-def simulate_set(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None,
-                 levels: list[float]) -> dict[tuple[str, str, float], Observation]:
-    """Replay each level of ``s`` in the simulator with this step cost (a rate level :data:`REPLAYS` times, the
-    means of their reductions); keyed like ``calibrate.simulate.key``."""
+Gaps = dict[str, float] | None
+"""A point's pooled inter-token gap percentiles (ms, keyed by :data:`ITL_KEYS`), or None."""
+
+
+def simulate_points(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None, levels: list[float],
+                    ) -> tuple[dict[tuple[str, str, float], Observation], dict[tuple[str, str, float], Gaps]]:
+    """Replay each level of ``s`` in the simulator with this step cost (:func:`replay_point`); the observations and,
+    for the points whose source gives gap percentiles, the simulated ones, keyed like ``calibrate.simulate.key``."""
     scenario = calibrated(s, cost, slots, kv_tokens)
     out: dict[tuple[str, str, float], Observation] = {}
+    gaps: dict[tuple[str, str, float], Gaps] = {}
     for level in levels:
-        o = replay(s, scenario, level)
+        o, g = replay_point(s, scenario, level)
         if o is not None:
             out[key(o)] = o
-    return out
+            if s.itl(level) is not None:
+                gaps[key(o)] = g
+    return out, gaps
+
+
+def simulate_set(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | None,
+                 levels: list[float]) -> dict[tuple[str, str, float], Observation]:
+    """:func:`simulate_points`' observations alone (what the fit compares)."""
+    return simulate_points(s, cost, slots, kv_tokens, levels)[0]
 
 
 def _replayed(s: PublishedSet, scenario: Scenario, level: float, record_itl: bool = False
@@ -236,39 +256,29 @@ def _replayed(s: PublishedSet, scenario: Scenario, level: float, record_itl: boo
             yield RunDir(run).records()
 
 
-def _gaps(records: list[dict[str, Any]]) -> list[np.ndarray]:
-    return [np.asarray(r["itl_ms"], dtype=float) for r in records if r["ok"] and r.get("itl_ms")]
+def replay_point(s: PublishedSet, scenario: Scenario, level: float) -> tuple[Observation | None, Gaps]:
+    """One point of ``s`` simulated with ``scenario`` as the source ran it (a rate level :data:`REPLAYS` times, the
+    means of their reductions) and, where the source gives gap percentiles, the same percentiles of every
+    replayed gap pooled (``benchmark_serving.py`` pools every request's gaps of its one run; their median is the
+    observation's pure step); (None, None) when no request finished."""
+    got, gaps = [], []
+    for recs in _replayed(s, scenario, level, record_itl=s.itl(level) is not None):
+        got.append(reduce_records(recs))
+        gaps += [np.asarray(r["itl_ms"], dtype=float) for r in recs if r["ok"] and r.get("itl_ms")]
+    ttft, tpot, thr, n_out = (float(np.mean(v)) for v in zip(*got, strict=True))
+    if not (math.isfinite(ttft) and math.isfinite(tpot)):
+        return None, None
+    pooled = None
+    if gaps:
+        values = np.percentile(np.concatenate(gaps), ITL_PERCENTILES)
+        pooled = {k: float(v) for k, v in zip(ITL_KEYS, values, strict=True)}
+    pure = pooled["itl_p50_ms"] / 1e3 if pooled else None
+    return observation(s.name, s.mode, level, ttft, tpot, thr, s.lengths[0], n_out, pure), pooled
 
 
 def replay(s: PublishedSet, scenario: Scenario, level: float) -> Observation | None:
-    """One point of ``s`` simulated with ``scenario`` as the source ran it (a rate level :data:`REPLAYS` times, the
-    means of their reductions, and where the source gives gap percentiles the median of every replay's gaps
-    pooled); None when no request finished."""
-    got, gaps = [], []
-    for recs in _replayed(s, scenario, level, record_itl=s.has_itl):
-        got.append(reduce_records(recs))
-        gaps += _gaps(recs)
-    ttft, tpot, thr, n_out = (float(np.mean(v)) for v in zip(*got, strict=True))
-    if not (math.isfinite(ttft) and math.isfinite(tpot)):
-        return None
-    pure = float(np.median(np.concatenate(gaps))) / 1e3 if gaps else None
-    return observation(s.name, s.mode, level, ttft, tpot, thr, s.lengths[0], n_out, pure)
-
-
-def itl_measured(s: PublishedSet, level: float) -> dict[str, float] | None:
-    """The point's published inter-token gap percentiles (ms), where the source gives all of :data:`ITL_KEYS`."""
-    point = next((p for p in s.points if p["level"] == level), {})
-    return {k: point[k] for k in ITL_KEYS} if all(k in point for k in ITL_KEYS) else None
-
-
-def itl_simulated(s: PublishedSet, scenario: Scenario, level: float) -> dict[str, float] | None:
-    """The same percentiles over every gap of the point's replays pooled (``benchmark_serving.py`` pools every
-    request's gaps of its one run); None when no gap was produced."""
-    gaps = [g for recs in _replayed(s, scenario, level, record_itl=True) for g in _gaps(recs)]
-    if not gaps:
-        return None
-    values = np.percentile(np.concatenate(gaps), ITL_PERCENTILES)
-    return {k: float(v) for k, v in zip(ITL_KEYS, values, strict=True)}
+    """:func:`replay_point`'s observation alone."""
+    return replay_point(s, scenario, level)[0]
 
 
 @dataclass(frozen=True)
@@ -281,8 +291,8 @@ class Prediction:
     fitted: tuple[float, ...]
     measured: list[Observation]
     simulated: dict[tuple[str, str, float], Observation]
-    itl: dict[tuple[str, str, float], dict[str, float] | None] = field(default_factory=dict)
-    """Simulated inter-token gap percentiles of the points whose source gives them (:func:`itl_measured`)."""
+    itl: dict[tuple[str, str, float], Gaps] = field(default_factory=dict)
+    """Simulated inter-token gap percentiles of the points whose source gives them (:meth:`PublishedSet.itl`)."""
 
 
 def ttft_cached(s: PublishedSet, o: Observation) -> bool:
@@ -320,9 +330,7 @@ def calibrate_and_predict(s: PublishedSet, fit_levels: tuple[float, ...], target
     result = fit(fitted, facts, sim_for, max_evals)
     dest = target or s
     measured = observations(dest) if target else [o for o in obs if o.level not in fit_levels]
-    simulated = simulate_set(dest, result.cost, result.slots, dest.kv_tokens, [o.level for o in measured])
-    scenario = calibrated(dest, result.cost, result.slots, dest.kv_tokens)
-    itl = {key(o): itl_simulated(dest, scenario, o.level) for o in measured if itl_measured(dest, o.level)}
+    simulated, itl = simulate_points(dest, result.cost, result.slots, dest.kv_tokens, [o.level for o in measured])
     return Prediction(result, dest, dest.kv_tokens, tuple(fit_levels), measured, simulated, itl)
 
 
@@ -355,6 +363,6 @@ def rows(p: Prediction) -> list[dict[str, Any]]:
         out.append({"set": o.run, "level": o.level, "in_flight": o.in_flight, "ttft_floor_ms": floor * 1e3,
                     "ttft_cached": ttft_cached(p.target, o), "warm": p.target.warm(o.level), "measured": vals(o),
                     "simulated": vals(s), "error_pct": errors_pct(o, s),
-                    "itl_ms": {"measured": itl_measured(p.target, o.level), "simulated": p.itl.get(key(o))}
-                    if key(o) in p.itl else None})
+                    "itl_ms": {"measured": p.target.itl(o.level), "simulated": p.itl.get(key(o))}
+                    if p.target.itl(o.level) is not None else None})
     return out
