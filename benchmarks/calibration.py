@@ -113,8 +113,8 @@ def main() -> None:
         print(row_text(r, fit_on) + (" c" if r["ttft_cached"] else "") + (" w" if r["warm"] else ""))
     print("* fitted on a100-qwen2-7b-util0.5's levels, KV pool changed to the 93,872 tokens this set's log states")
     print("c: measured TTFT below the floor of an uncached prefill (FLOPs at the GPU's peak): prefix-cache hits")
-    print("w: ran after another run of the same prompts on the same server (prefix caching on): its prompts may have "
-          "been served from what it held; the replay starts each run cold")
+    print("w: ran after other runs of the same prompts on the same server (prefix caching on): replayed after them, "
+          "the prefix cache carried")
     gaps = [r for r in table if r["itl_ms"] and r["itl_ms"]["simulated"]]
     if gaps:
         print()

@@ -94,7 +94,8 @@ def waiting_cost(queued: list[Observation], slots: int, line: Callable[[float, f
     return value, f"per_waiting from the pure steps of {labels} against the line through the unqueued levels"
 
 
-def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str, float | None], list[str]]:
+def closed_form(obs: list[Observation], slots: int, front_end: bool = False,
+                ) -> tuple[StepCost, dict[str, float | None], list[str]]:
     """The linear first estimate and its standard errors (None where the data cannot give one). The decode line
     goes through the levels with no request waiting at the server where two batch sizes or more remain (a queue
     at the door can slow the steps: ``per_waiting``, told from the others)."""
@@ -145,7 +146,7 @@ def closed_form(obs: list[Observation], slots: int) -> tuple[StepCost, dict[str,
         notes.append("per_waiting not fitted: no level with requests waiting at the server told a pure decode step")
     lone = [o for o in obs if o.mode == "concurrency" and o.level == 1]
     low = lone[0] if lone else min(obs, key=lambda o: (batch(o, slots), o.level))
-    ppt, per_request, how = prefill_and_overhead(obs, low, slots, (base, per_decode, per_ctx))
+    ppt, per_request, how = prefill_and_overhead(obs, low, slots, (base, per_decode, per_ctx), front_end)
     measured = measured_prompt_cost(obs, per_decode)
     if measured is not None:  # the front end is what TTFT holds beyond the prompt's own step
         bl = batch(low, slots)
@@ -198,7 +199,7 @@ def unqueued(obs: list[Observation], slots: int) -> list[Observation]:
 
 
 def prefill_and_overhead(obs: list[Observation], low: Observation, slots: int,
-                         line: tuple[float, float, float]) -> tuple[float, float, str]:
+                         line: tuple[float, float, float], front_end: bool = False) -> tuple[float, float, str]:
     """(per_prefill_token, per_request, how) from TTFT. A closed loop of equal requests starts them together, so
     at c users one step carries c prompts: TTFT − step ≈ per_request + per_prefill_token·c·prompt, a line over
     the unqueued levels of ``low``'s workload, believed when it explains each of them (:data:`LINE_FIT`).
@@ -206,7 +207,8 @@ def prefill_and_overhead(obs: list[Observation], low: Observation, slots: int,
     just began, so from c = 2 TTFT holds a step more), but the simulator reproduces that wait: with two unqueued
     levels or more, the lowest level's TTFT beyond its step starts half as prefill, half as ``per_request``, and
     the refinement splits it on every unqueued level's TTFT. With fewer, all of it is prefill and
-    ``per_request`` stays 0 (not fitted)."""
+    ``per_request`` stays 0 (not fitted) — unless ``front_end``: the fitted prompts were served from a prefix
+    cache the simulator replays too, so TTFT's rest is mostly the front end; it starts half and half."""
     base, per_decode, per_ctx = line
 
     def beyond_step(o: Observation) -> float:
@@ -228,5 +230,8 @@ def prefill_and_overhead(obs: list[Observation], low: Observation, slots: int,
         return (rest / 2 / max(low.input_tokens, 1.0), rest / 2, f"per_prefill_token and per_request from TTFT "
                 f"over c={', '.join(f'{o.level:g}' for o in same)} through the simulator (no line: the levels are "
                 "not in lockstep)")
+    if front_end and rest > 0:
+        return (rest / 2 / max(low.input_tokens, 1.0), rest / 2, f"per_prefill_token and per_request from TTFT at "
+                f"{low.label} through the simulator, which serves the fitted prompts from its prefix cache too")
     return (rest / max(low.input_tokens, 1.0), 0.0, f"per_prefill_token from TTFT at {low.label} "
             f"({low.input_tokens:g} prompt tokens); per_request not fitted (no TTFT over two unqueued levels)")

@@ -277,11 +277,11 @@ def _refine_terms(obs: list[Observation], start: StepCost, slots: int, sim: Simu
 
 
 def fit(obs: list[Observation], facts: ServerFacts, sim_for: Callable[[int], Simulator],
-        max_evals: int = MAX_EVALS) -> Fit:
+        max_evals: int = MAX_EVALS, front_end: bool = False) -> Fit:
     """Closed form, then refined by ``sim_for(slots)``; a refinement that does not converge (or converges on
     nothing like the server) is bad input: the caller writes nothing."""
     slots, source = estimate_slots(obs, facts)
-    start, stderr, notes = closed_form(obs, slots)
+    start, stderr, notes = closed_form(obs, slots, front_end)
     cost, evals, converged, rms = refine(obs, start, slots, sim_for(slots), max_evals)
     if not converged or not np.isfinite(rms) or rms > WORST_RMS:
         why = (f"not settled after {evals} simulator runs" if not converged

@@ -74,9 +74,8 @@ class PublishedSet:
 
     def warm(self, level: float) -> bool:
         """This level ran after another run of the same prompts on the same server: with vLLM's prefix cache on
-        (V1's default), its prompts may have been served from what that server still held — the replay does not
-        carry a cache from one run to the next, so such a point's TTFT and prompt steps may be dearer in the
-        simulator."""
+        (V1's default), its prompts may have been served from what that server still held, so it is replayed
+        after those runs (:func:`session_replay`)."""
         return level in self.order and self.order.index(level) > 0
 
     def itl(self, level: float) -> dict[str, float] | None:
@@ -168,13 +167,39 @@ REPLAYS = 4
 200 requests moves a fitted per-sequence cost by up to 2× (which long request overlaps which, at 1–4 in flight)."""
 
 
-def plan_for(s: PublishedSet, level: float, order: int = 0) -> LoadPlan:
-    """The run the source made: a burst is a closed loop of N with a quota of N (all sent at once, nothing
-    after); a rate is its stated request count as a trace (:func:`rate_replay`)."""
+def plan_for(s: PublishedSet, level: float, order: int = 0) -> tuple[LoadPlan, float]:
+    """The run the source made, and when its measured requests start: a burst is a closed loop of N with a quota
+    of N (all sent at once, nothing after); a rate is its stated request count as a trace (:func:`rate_replay`),
+    after the runs that came before it on the same server where the source says so (:func:`session_replay`)."""
     if s.mode == "burst":
-        return LoadPlan(mode="concurrency", levels=(level,), warmup_s=0.0, duration_s=None, requests=int(level))
-    return LoadPlan(mode="trace", levels=(1.0,), warmup_s=0.0, duration_s=None,
-                    trace=rate_replay(s, level, order))
+        return LoadPlan(mode="concurrency", levels=(level,), warmup_s=0.0, duration_s=None,
+                        requests=int(level)), 0.0
+    rows, start = session_replay(s, level, order) if s.warm(level) else (rate_replay(s, level, order), 0.0)
+    return LoadPlan(mode="trace", levels=(1.0,), warmup_s=0.0, duration_s=None, trace=rows), start
+
+
+SESSION_GAP_S = 120.0
+"""Seconds from one replayed run's last arrival to the next run's first: every run has drained by then (the
+sources' next runs started 13–29 s after the last ended; an idle server changes nothing in between)."""
+HASH_STRIDE = 1 << 16
+"""Hash ids of request j's prompt blocks: j × this + block (over the 64 blocks of a 1,024-token prompt)."""
+
+
+def session_replay(s: PublishedSet, level: float, order: int = 0) -> tuple[tuple[TraceRow, ...], float]:
+    """The runs of ``s`` up to ``level`` in the order the source ran them on one server (``s.order``), the same
+    prompts in each — as hashed prefix blocks at the server's block size, so the simulator's prefix cache finds
+    what the runs before left (vLLM V1 caches prompts by default) — and the start of the last run, the measured
+    one. Why: replayed cold, every later run paid for prompts the real server served from its cache (no step at
+    1 req/s on the H100 sets is long enough to have computed a long prompt)."""
+    bs = int(s.scenario.get("serving", {}).get("block_size", 16))
+    rows: list[TraceRow] = []
+    start = 0.0
+    for rate in s.order[: s.order.index(level) + 1]:
+        start = rows[-1].arrival_s + SESSION_GAP_S if rows else 0.0
+        rows += [TraceRow(start + r.arrival_s, r.input_tokens, r.output_tokens,
+                          tuple(j * HASH_STRIDE + b for b in range(r.input_tokens // bs)))
+                 for j, r in enumerate(rate_replay(s, rate, order))]
+    return tuple(rows), start
 
 
 def rate_replay(s: PublishedSet, level: float, order: int = 0) -> tuple[TraceRow, ...]:
@@ -248,12 +273,17 @@ def simulate_set(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | N
 
 def _replayed(s: PublishedSet, scenario: Scenario, level: float, record_itl: bool = False
               ) -> Iterator[list[dict[str, Any]]]:
-    """The records of each run that stands for one point of ``s`` (a rate level :data:`REPLAYS` orders)."""
+    """The measured records of each run that stands for one point of ``s`` (a rate level :data:`REPLAYS` orders;
+    a session's last run only, its prompts hashed at the server's block size)."""
+    if s.warm(level):
+        serving = scenario.serving.model_copy(update={"hash_block_tokens": scenario.serving.block_size})
+        scenario = scenario.model_copy(update={"serving": serving})
     with tempfile.TemporaryDirectory(prefix="kvcap-published-") as tmp:
         for i in range(REPLAYS if s.mode == "rate" else 1):
             run = Path(tmp) / f"r{i}"
-            run_sim(SimConfig(scenario=scenario, plan=plan_for(s, level, i), out=run, record_itl=record_itl))
-            yield RunDir(run).records()
+            plan, start = plan_for(s, level, i)
+            run_sim(SimConfig(scenario=scenario, plan=plan, out=run, record_itl=record_itl))
+            yield [r for r in RunDir(run).records() if r["start_s"] >= start - 1e-9]
 
 
 def replay_point(s: PublishedSet, scenario: Scenario, level: float) -> tuple[Observation | None, Gaps]:
@@ -327,7 +357,7 @@ def calibrate_and_predict(s: PublishedSet, fit_levels: tuple[float, ...], target
         return lambda cost: fit_view(fitted, simulate_set(s, cost, slots, s.kv_tokens, [o.level for o in fitted]),
                                      s.mode)
 
-    result = fit(fitted, facts, sim_for, max_evals)
+    result = fit(fitted, facts, sim_for, max_evals, front_end=any(s.warm(o.level) for o in fitted))
     dest = target or s
     measured = observations(dest) if target else [o for o in obs if o.level not in fit_levels]
     simulated, itl = simulate_points(dest, result.cost, result.slots, dest.kv_tokens, [o.level for o in measured])

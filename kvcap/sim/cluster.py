@@ -20,7 +20,6 @@ from kvcap.sim.policy_vllm import VllmPolicy
 from kvcap.sim.replica import ReplicaConfig
 from kvcap.sim.request import SimRequest
 from kvcap.specs.scenario import Scenario
-from kvcap.workload.words import MOONCAKE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class ClusterModel:
             configs.append(ReplicaConfig(
                 blocks=blocks, block_size=sv.block_size, max_num_seqs=sv.max_num_seqs,
                 max_num_batched_tokens=sv.max_num_batched_tokens, chunked_prefill=sv.chunked_prefill, cost=cost,
-                kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=MOONCAKE_BLOCK_TOKENS,
+                kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=sv.hash_block_tokens,
                 prefix_caching=sv.enable_prefix_caching and sv.engine == "vllm", park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
                 node=nodes[0], host_link=host_link,
                 nic_links=tuple(nics[n] for n in nodes), policy=policy, blocks_for=blocks_for,

@@ -17,6 +17,7 @@ from kvcap.errors import InputError
 from kvcap.specs.fields import Bandwidth, Duration, Fraction, Size, Strict, validation_message
 from kvcap.specs.load import LoadSpec, WorkloadSpec, displaced_by_overrides
 from kvcap.units import parse_size
+from kvcap.workload.words import MOONCAKE_BLOCK_TOKENS
 
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 WeightsDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
@@ -117,6 +118,9 @@ class ServingSpec(Strict):
     gpu_memory_utilization: Fraction = 0.9
     block_size: int = Field(default=16, ge=1)
     enable_prefix_caching: bool = True
+    hash_block_tokens: int = Field(default=MOONCAKE_BLOCK_TOKENS, ge=1)
+    """Prompt tokens each of a trace's ``hash_ids`` stands for: Mooncake's traces hash 512-token blocks; a replay
+    that hashes its prompts as vLLM does (``kvcap.calibrate.published``'s sessions) uses ``block_size``."""
     kv_offload: KvOffload = "none"
     host_kv_capacity: Size | None = None
     """Host RAM per node given to offloaded KV; default half of cluster.host_memory."""
