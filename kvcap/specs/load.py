@@ -13,6 +13,10 @@ from kvcap.errors import InputError
 from kvcap.specs.fields import Duration, OptionalDuration, Strict
 from kvcap.specs.lengths import LengthDist, parse_length
 
+MOONCAKE_BLOCK_TOKENS = 512
+"""Prompt tokens per hash id in Mooncake's traces (their ``hash_ids``): the default of
+``serving.hash_block_tokens`` and the size of a synthesised prefix block's text."""
+
 DEFAULT_DURATION_S = 60.0
 LIMIT_RULE = "a level's measured window ends at whichever limit it reaches first: load.duration or load.requests"
 """The one precedence between the two limits when both are set (the summary states it)."""

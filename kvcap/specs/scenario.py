@@ -15,9 +15,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvcap.errors import InputError
 from kvcap.specs.fields import Bandwidth, Duration, Fraction, Size, Strict, validation_message
-from kvcap.specs.load import LoadSpec, WorkloadSpec, displaced_by_overrides
+from kvcap.specs.load import MOONCAKE_BLOCK_TOKENS, LoadSpec, WorkloadSpec, displaced_by_overrides
 from kvcap.units import parse_size
-from kvcap.workload.words import MOONCAKE_BLOCK_TOKENS
 
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 WeightsDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
