@@ -70,7 +70,8 @@ class PublishedSet:
     """``benchmark_serving.py``'s ``--seed`` where the source states it: its arrivals' draws are then known
     (:func:`rate_replay`)."""
     order: tuple[float, ...] = ()
-    """The levels in the order the source ran them on one server, where it says (see :meth:`warm`)."""
+    """The levels in the order the source ran them on one server, where it says (see :meth:`warm`); such a set's
+    scenario hashes prompts at the server's KV block size (``serving.hash_block_tokens``)."""
 
     def warm(self, level: float) -> bool:
         """This level ran after another run of the same prompts on the same server: with vLLM's prefix cache on
@@ -100,11 +101,14 @@ def load_sets(path: Path) -> list[PublishedSet]:
             if mode not in MODES:
                 raise ValueError(f"set {s['name']}: load.mode {mode!r} is not one of {', '.join(MODES)}")
             pts = tuple({k: float(v) for k, v in p.items()} for p in s["points"])
-            seed = s["load"].get("seed")
-            out.append(PublishedSet(str(s["name"]), s["scenario"], mode, s["load"].get("requests"),
+            seed, order = s["load"].get("seed"), tuple(float(v) for v in s["load"].get("order", ()))
+            scenario = s["scenario"]
+            if order:  # replayed as sessions (session_replay): its prompts hashed as the server hashes them
+                block = build_scenario(scenario, f"published set {s['name']}").serving.block_size
+                scenario = {**scenario, "serving": {**scenario.get("serving", {}), "hash_block_tokens": block}}
+            out.append(PublishedSet(str(s["name"]), scenario, mode, s["load"].get("requests"),
                                     (s.get("measured") or {}).get("kv_tokens"), pts,
-                                    None if seed is None else int(seed),
-                                    tuple(float(v) for v in s["load"].get("order", ()))))
+                                    None if seed is None else int(seed), order))
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
         raise InputError(f"published measurements {str(path)!r}: {e}") from None
     return out
@@ -191,7 +195,7 @@ def session_replay(s: PublishedSet, level: float, order: int = 0) -> tuple[tuple
     what the runs before left (vLLM V1 caches prompts by default) — and the start of the last run, the measured
     one. Why: replayed cold, every later run paid for prompts the real server served from its cache (no step at
     1 req/s on the H100 sets is long enough to have computed a long prompt)."""
-    bs = int(s.scenario.get("serving", {}).get("block_size", 16))
+    bs = int(s.scenario["serving"]["hash_block_tokens"])
     rows: list[TraceRow] = []
     start = 0.0
     for rate in s.order[: s.order.index(level) + 1]:
@@ -274,10 +278,7 @@ def simulate_set(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | N
 def _replayed(s: PublishedSet, scenario: Scenario, level: float, record_itl: bool = False
               ) -> Iterator[list[dict[str, Any]]]:
     """The measured records of each run that stands for one point of ``s`` (a rate level :data:`REPLAYS` orders;
-    a session's last run only, its prompts hashed at the server's block size)."""
-    if s.warm(level):
-        serving = scenario.serving.model_copy(update={"hash_block_tokens": scenario.serving.block_size})
-        scenario = scenario.model_copy(update={"serving": serving})
+    a session's last run only)."""
     with tempfile.TemporaryDirectory(prefix="kvcap-published-") as tmp:
         for i in range(REPLAYS if s.mode == "rate" else 1):
             run = Path(tmp) / f"r{i}"
