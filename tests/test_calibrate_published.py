@@ -168,18 +168,34 @@ def test_quantile_lengths_carry_the_distributions_moments():
     assert set(parse_length("64").quantiles(5)) == {64}
 
 
-def test_published_inter_token_gaps_show_where_the_step_is_off(sets, a100):
+@pytest.fixture(scope="module")
+def rtx4090_llama(sets):
+    return calibrate_and_predict(sets["rtx4090-llama3-8b"], (1.0, 4.0))
+
+
+def test_rtx4090_llama_held_out_with_the_pool_reused_as_vllm_reuses_it(rtx4090_llama):
+    """The RTX 4090 Llama-3-8B set: its pool (~41,600 tokens) holds half of what a run writes, so the runs before
+    1 and 4 req/s left few of their prompts (the largest gap at 1 req/s, 108.7 ms, is a long prompt computed).
+    Replayed with freed blocks reused oldest first, output blocks included, the fitted levels compute their
+    prompts too, and the cold 32 req/s run comes out TPOT −1.2% and TTFT −9.5% (+32.5% and +250% when the
+    simulator kept every prompt) — the printed rows, ±2 points (±4 on TTFT: the refinement's stopping point)."""
+    err = by_level(rows(rtx4090_llama))
+    assert err[8.0]["tpot"] == pytest.approx(2.2, abs=2.0) and err[32.0]["tpot"] == pytest.approx(-1.2, abs=2.0)
+    assert err[32.0]["e2e"] == pytest.approx(-3.0, abs=2.0) and err[32.0]["ttft"] == pytest.approx(-9.5, abs=4.0)
+
+
+def test_published_inter_token_gaps_show_where_the_step_is_off(rtx4090_llama, a100):
     """The RTX 4090 points carry the source's pooled ITL percentiles; the prediction pools its replays' gaps the
-    same way. Next to the fit (8 req/s) the decode step's median is the measured one within 5%; the steps that
-    carry prompts (p90) are where the held-out error comes from — never fitted, only shown."""
-    p = calibrate_and_predict(sets["rtx4090-llama3-8b"], (1.0, 4.0))
-    gaps = {r["level"]: r["itl_ms"] for r in rows(p)}
+    same way — never fitted, only shown. Next to the fit (8 req/s) the median is within 12%; the 99th percentile,
+    the steps that carried long prompts, comes out low at every rate: a long prompt beside many decoders costs
+    more than the fitted line says."""
+    gaps = {r["level"]: r["itl_ms"] for r in rows(rtx4090_llama)}
     assert set(gaps) == {8.0, 16.0, 32.0} and all(g is not None for g in gaps.values())
     assert gaps[8.0]["measured"] == {"itl_p50_ms": 24.09, "itl_p90_ms": 29.05, "itl_p99_ms": 78.14}
     sim8 = gaps[8.0]["simulated"]
-    assert sim8["itl_p50_ms"] == pytest.approx(24.09, rel=0.05)
+    assert sim8["itl_p50_ms"] == pytest.approx(24.09, rel=0.12)
     assert sim8["itl_p50_ms"] < sim8["itl_p90_ms"] < sim8["itl_p99_ms"]
-    assert gaps[32.0]["simulated"]["itl_p90_ms"] > 1.5 * gaps[32.0]["measured"]["itl_p90_ms"]
+    assert all(g["simulated"]["itl_p99_ms"] < 0.8 * g["measured"]["itl_p99_ms"] for g in gaps.values())
     assert all(r["itl_ms"] is None for r in rows(a100))  # its source gives no ITL percentiles
 
 
@@ -202,3 +218,30 @@ def test_a_warm_point_is_replayed_after_the_runs_before_it_with_their_prompts_ca
     scenario = calibrated(s, cost_from([0.010, 0.00005, 0.001, 0.0, 0.0, 0.0, 0.0]), 256, None)
     cold, warm = replay(s, scenario, 32.0), replay(s, scenario, 16.0)
     assert cold.ttft_p50 > 0.2 and warm.ttft_p50 < 0.05, (cold.ttft_p50, warm.ttft_p50)
+
+
+def test_a_session_finds_cached_what_the_pool_kept(sets):
+    """Which prompts a later run finds cached follows the pool: on an RTX 4090, Llama-3-8B's 128 KiB of KV a
+    token leaves ~41,600 tokens, half the prompt and output tokens a run writes, and vLLM reuses freed blocks
+    oldest first, output blocks included — so the 1 req/s run, after four runs, finds (next to) none of its
+    prompts (its largest gap, 108.7 ms, is a long prompt computed); R1-Qwen-7B's 56 KiB a token keeps every
+    run, and all but the last partial block of each prompt hits (its largest gap is 23.9 ms)."""
+    import tempfile
+
+    from kvcap.calibrate.published import calibrated, plan_for
+    from kvcap.calibrate.simulate import cost_from
+    from kvcap.rundir import RunDir
+    from kvcap.sim.run import SimConfig, run_sim
+
+    def hit_share(name: str) -> float:
+        s = sets[name]
+        plan, start = plan_for(s, 1.0)
+        scenario = calibrated(s, cost_from([0.018, 0.0002, 0.00004, 0.0, 0.0, 0.0, 0.0]), 256, None)
+        with tempfile.TemporaryDirectory() as tmp:
+            run_sim(SimConfig(scenario=scenario, plan=plan, out=Path(tmp) / "r"))
+            recs = [r for r in RunDir(Path(tmp) / "r").records() if r["start_s"] >= start - 1e-9]
+        assert len(recs) == 200
+        return sum(r["prefix_hit_tokens"] for r in recs) / sum(r["input_tokens"] for r in recs)
+
+    assert hit_share("rtx4090-llama3-8b") < 0.05
+    assert hit_share("rtx4090-r1-qwen-7b") > 0.9

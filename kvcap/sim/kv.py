@@ -6,7 +6,9 @@ Nothing here decides anything or moves time: it counts.
 
 * :class:`BlockPool` — HBM blocks: each request's private blocks, plus shared prefix blocks (hashed
   ``hash_block_tokens``-token prompt blocks, e.g. Mooncake ``hash_ids``) reference-counted across requests;
-  an unreferenced prefix stays cached until its blocks are needed (LRU).
+  an unreferenced prefix stays cached until its blocks are needed. Freed blocks are reused in the order they
+  were freed, as vLLM's free-block queue does: a finished request's own blocks (its output, which vLLM caches too
+  but no later prompt matches) are reused before its prompt's, and both before anything freed after them.
 * :class:`Tier` — host RAM of a node or the remote pool: bytes of parked sequences and stored prefixes.
 """
 
@@ -17,13 +19,23 @@ from collections.abc import Callable, Iterable
 
 from kvcap.sim.request import SimRequest
 
+FREED = 1 << 64
+"""Keys of freed private blocks in the reuse order start here, above any 64-bit prefix hash id."""
+
 
 class BlockPool:
     """One replica's HBM KV blocks. ``used`` counts private blocks and every allocated prefix block (referenced
-    or only cached); cached ones are free to whoever needs them (:meth:`take` evicts them oldest first)."""
+    or only cached), and while prefixes are kept, the private blocks of finished requests too: cached ones are free
+    to whoever needs them (:meth:`take` reuses them oldest freed first).
 
-    __slots__ = ("block_size", "blocks_for", "capacity", "hash_block_tokens", "hash_blocks", "prefix_lru",
-                 "prefix_ref", "used")
+    Why freed private blocks wait in the order too: without them a pool under pressure kept every prompt until
+    all the never-used and output blocks freed after it had been taken, where vLLM reuses whatever was freed
+    first. A run writing twice its pool (200 ShareGPT requests, 81,500 tokens, on an RTX 4090's ~41,600 with
+    Llama-3-8B) then found 93% of its prompts cached when the same prompts ran again, where the real server's
+    steps show it computed them."""
+
+    __slots__ = ("block_size", "blocks_for", "cached_blocks", "capacity", "freed_key", "hash_block_tokens",
+                 "hash_blocks", "prefix_lru", "prefix_ref", "used")
 
     def __init__(self, capacity: int, block_size: int, hash_block_tokens: int,
                  blocks_for: Callable[[int], int] | None = None):
@@ -42,16 +54,16 @@ class BlockPool:
         self.used = 0
         self.prefix_ref: dict[int, int] = {}
         """Hash id → requests referencing its blocks (0: cached only, also in ``prefix_lru``)."""
-        self.prefix_lru: OrderedDict[int, None] = OrderedDict()
+        self.prefix_lru: OrderedDict[int, int] = OrderedDict()
+        """Reclaimable blocks in the order they were freed, key → blocks: an unreferenced prefix (its hash id) or
+        a finished request's private blocks (a key from :data:`FREED` up)."""
+        self.cached_blocks = 0
+        """Blocks in ``prefix_lru`` (allocated, but reclaimable)."""
+        self.freed_key = FREED
 
     # ------------------------------------------------------------------ capacity
-    @property
-    def cached_blocks(self) -> int:
-        """Blocks of prefixes no request references (allocated, but reclaimable)."""
-        return len(self.prefix_lru) * self.hash_blocks
-
     def free(self) -> int:
-        return self.capacity - self.used + len(self.prefix_lru) * self.hash_blocks  # cached blocks are free
+        return self.capacity - self.used + self.cached_blocks  # cached blocks are free
 
     def usage(self) -> float:
         """Fraction of the pool held by requests (cached prefixes count as free, as vLLM reports)."""
@@ -64,9 +76,11 @@ class BlockPool:
         if self.capacity - self.used + self.cached_blocks < n:
             return False
         while self.capacity - self.used < n and self.prefix_lru:
-            h, _ = self.prefix_lru.popitem(last=False)
-            del self.prefix_ref[h]
-            self.used -= self.hash_blocks
+            h, b = self.prefix_lru.popitem(last=False)
+            if h < FREED:
+                del self.prefix_ref[h]
+            self.used -= b
+            self.cached_blocks -= b
         self.used += n
         return True
 
@@ -85,14 +99,22 @@ class BlockPool:
         return max(0, self.blocks_for(req.prompt + req.max_out) - len(req.shared) * self.hash_blocks)
 
     def release(self, req: SimRequest) -> None:
-        """The request gives back its private blocks and drops its prefix references (they stay cached)."""
-        self.give(req.blocks)
+        """The request gives back its private blocks and drops its prefix references (they stay cached). While
+        prefixes are kept, its private blocks join the reuse order first (vLLM frees a request's blocks tail
+        first), then its prefix blocks nobody else references."""
+        if req.blocks > 0 and self.prefix_ref:
+            self.prefix_lru[self.freed_key] = req.blocks
+            self.freed_key += 1
+            self.cached_blocks += req.blocks
+        else:
+            self.give(req.blocks)
         req.blocks = 0
         for h in req.shared:
             ref = self.prefix_ref.get(h, 0) - 1
             if ref <= 0:
                 self.prefix_ref[h] = 0
-                self.prefix_lru[h] = None
+                self.prefix_lru[h] = self.hash_blocks
+                self.cached_blocks += self.hash_blocks
             else:
                 self.prefix_ref[h] = ref
         req.shared = ()
@@ -166,8 +188,10 @@ class BlockPool:
         n = self.hit_blocks(req)
         hashes = req.hashes[:n]
         for h in hashes:
-            self.prefix_ref[h] = self.prefix_ref.get(h, 0) + 1
-            self.prefix_lru.pop(h, None)
+            ref = self.prefix_ref.get(h, 0)
+            if ref == 0 and self.prefix_lru.pop(h, 0):
+                self.cached_blocks -= self.hash_blocks
+            self.prefix_ref[h] = ref + 1
         req.shared = tuple(hashes)
         req.kv = min(n * self.hash_block_tokens, req.prompt - 1)
         return req.kv
