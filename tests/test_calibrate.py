@@ -156,6 +156,16 @@ def test_what_a_profile_could_not_show_is_said_once():
     assert limits(two, 2048) == []
 
 
+def test_ttfts_below_the_prompts_floor_are_called_cache_hits():
+    """With the model and GPU known, a fitted level answering TTFT faster than its prompts' FLOPs allow at the
+    GPU's peak was served from a prefix cache; a floor under every TTFT says nothing."""
+    levels = [obs(c, A + B * c, 0.030, n_in=1024) for c in (1, 2, 4)]
+    notes = [n for n in limits(levels, None, lambda n: n * 85e-6) if "prefix cache" in n]  # ~87 ms for 1,024
+    assert len(notes) == 1 and "c=1, c=2, c=4" in notes[0]
+    assert "30.0 ms at c=1 for ~1,024 tokens, at least 87.0 ms" in notes[0]
+    assert limits(levels, None, lambda n: n * 1e-6) == limits(levels, None)
+
+
 def test_a_what_if_on_prompts_far_from_the_profiled_ones_is_called_an_extrapolation(tmp_path):
     """``kvcap sim`` on a calibrated scenario says so when the prompts asked are far (over 1.5×) from those the
     fit saw; within that, nothing is said."""
@@ -455,3 +465,21 @@ def test_a_profile_past_the_step_budget_tells_whether_the_server_has_one(tmp_pat
         assert p["ttft_ms"]["p50"] == pytest.approx(m["ttft_ms"]["p50"], rel=0.05), c
         assert p["tpot_ms"]["p50"] == pytest.approx(m["tpot_ms"]["p50"], rel=0.05), c
         assert p["output_tok_s"] == pytest.approx(m["output_tok_s"], rel=0.08), c
+
+
+def test_calibrate_with_the_model_and_gpu_tells_a_cache_hit_profile_from_a_computed_one(tmp_path):
+    """Over HTTP, the batching server with 1,024-token prompts said to be Llama-3-8B on an RTX 4090 (~87 ms for
+    such a prompt at its peak FLOPs): computing prompts at 0.1 ms a token (TTFT > 100 ms) it is a prefill; with
+    prompts free (TTFT ~ one 20 ms step), as a prefix cache serves them, calibrate says the fit priced cache hits."""
+    found = {}
+    for name, prefill in (("computed", "100us"), ("cached", "0ms")):
+        with start_fake_server(slots=8, step_a="20ms", step_b="3ms", prefill_per_token=prefill) as srv:
+            proc = run_cli("bench", "--url", srv.url, "--out", str(tmp_path / name), "--quiet", "--json",
+                           "--input-tokens", "1024", "--output-tokens", "16", "--concurrency", "1,2",
+                           "--warmup", "0.5s", "--duration", "2s", timeout=120)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+        r = calibrate_json(str(tmp_path / name), "--out", str(tmp_path / f"{name}.yaml"), "--model", "llama-3-8b",
+                           "--gpu", "rtx4090")
+        found[name] = [x for x in r["limits"] if "prefix cache" in x]
+    assert found["computed"] == []
+    assert len(found["cached"]) == 1 and "at least 86." in found["cached"][0], found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from kvcap.calibrate.output import (
     table_rows,
     write_scenario,
 )
+from kvcap.calibrate.prefill_floor import prefill_floor_s
 from kvcap.calibrate.simulate import StepCost, key, simulate
 from kvcap.errors import InputError
+from kvcap.specs.scenario import build_scenario
 
 
 def split_holdout(obs: list[Observation], holdout: tuple[float, ...],
@@ -94,7 +97,8 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     holdout_error = summary_errors([r for r in rows if r["held_out"]]) if held else None
     section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
     section["warnings"] = misfits(rows)
-    section["limits"] = limits(fitted, DEFAULT_BUDGET if budget is None else None)
+    floor = partial(prefill_floor_s, build_scenario(base, "calibrated scenario")) if model and gpu else None
+    section["limits"] = limits(fitted, DEFAULT_BUDGET if budget is None else None, floor)
     section["profiled_input_tokens"] = [round(min(o.input_tokens for o in fitted)),
                                         round(max(o.input_tokens for o in fitted))]
     if profile == "llamacpp":  # its steps slow as requests wait: what the profile queued bounds what it can say
@@ -143,7 +147,8 @@ ONE_LENGTH = 1.25
 """Fitted levels whose mean prompt lengths all lie within this ratio sent one prompt length."""
 
 
-def limits(fitted: list[Observation], budget: int | None) -> list[str]:
+def limits(fitted: list[Observation], budget: int | None,
+           prefill_floor: Callable[[float], float] | None = None) -> list[str]:
     """What the fitted levels could not show, said once: a what-if along that axis extrapolates the fit.
 
     - One prompt length: TTFT holds the front end's time per request plus the prefill of that length; a second
@@ -151,7 +156,11 @@ def limits(fitted: list[Observation], budget: int | None) -> list[str]:
       on the project's batching server).
     - The per-step token budget: a profile that never offered more prompt tokens at once than the scenario's
       budget cannot show whether the server batches more in a step; the scenario keeps the engine's default
-      (``budget``; None: the fit chose no budget, having seen more)."""
+      (``budget``; None: the fit chose no budget, having seen more).
+    - Prefix-cache hits: where the model and GPU are known (``prefill_floor``: seconds a prompt of N tokens takes
+      at least, :mod:`kvcap.calibrate.prefill_floor`), a fitted level whose TTFT p50 is below its prompts' floor
+      was served from the server's cache, and the fitted prompt cost is a cache hit's (on published vLLM sets
+      fitted on such levels, the first cold run's TTFT came out 10-13% low at best)."""
     out: list[str] = []
     levels = [o for o in fitted if o.mode != "trace"]
     if levels and len(levels) == len(fitted) and not any(o.length_shapes[0] for o in levels):
@@ -166,4 +175,13 @@ def limits(fitted: list[Observation], budget: int | None) -> list[str]:
         out.append(f"the profile never offered more than ~{offered:,.0f} prompt tokens at once, within the "
                    f"{budget:,}-token step budget the scenario keeps (the engine default): whether the server puts "
                    "more prompt tokens in one step was not measured, and predictions past it assume that budget")
+    cached = [(o, prefill_floor(o.input_tokens)) for o in fitted] if prefill_floor else []
+    cached = [(o, f) for o, f in cached if o.ttft_p50 < f]
+    if cached:
+        o, f = cached[0]
+        out.append(f"TTFT p50 at {', '.join(x.label for x, _ in cached)} is below what computing the prompts takes "
+                   f"on this GPU at its peak FLOPs ({o.ttft_p50 * 1e3:.1f} ms at {o.label} for ~{o.input_tokens:,.0f}"
+                   f" tokens, at least {f * 1e3:.1f} ms): the server served them from its prefix cache, so the fitted "
+                   "prompt cost is a cache hit's and prompts it has not seen will take longer than predicted; "
+                   "profile with prompts it has not cached (or with prefix caching off)")
     return out

@@ -21,13 +21,12 @@ import yaml
 
 from kvcap.calibrate.fit import Fit, Simulator, fit
 from kvcap.calibrate.observe import Observation, ServerFacts
+from kvcap.calibrate.prefill_floor import prefill_floor_s
 from kvcap.calibrate.simulate import StepCost, key, serving_section
 from kvcap.errors import InputError
 from kvcap.rundir import RunDir
 from kvcap.sim.run import SimConfig, run_sim
-from kvcap.specs.hardware import load_gpu
 from kvcap.specs.lengths import parse_length
-from kvcap.specs.model import load_model
 from kvcap.specs.scenario import Scenario, build_scenario
 from kvcap.workload.loadplan import LoadPlan
 from kvcap.workload.trace import TraceRow
@@ -115,14 +114,10 @@ def load_sets(path: Path) -> list[PublishedSet]:
 
 
 def ttft_floor_s(s: PublishedSet, level: float) -> float:
-    """The least mean TTFT a level can have with no prefix-cache hit: a prompt's prefill FLOPs (2 × the
-    parameters a token passes through, embeddings aside, × its tokens) at the GPU's dense 16-bit peak; a burst
-    of N prefills first come, first served, so its mean waits (N + 1) / 2 of them. A measured TTFT below it was
-    (partly) served from the cache."""
-    sc = build_scenario(s.scenario, f"published set {s.name}")
-    model, gpu = load_model(sc.model.ref, sc.model.num_parameters), load_gpu(sc.cluster.gpu.preset)
-    peak = (gpu.fp16_tflops if sc.model.weights_dtype == "fp16" and gpu.fp16_tflops else gpu.bf16_tflops) * 1e12
-    one = 2 * (model.active_parameters - model.embedding_parameters) * s.lengths[0] / peak
+    """The least mean TTFT a level can have with no prefix-cache hit: its mean prompt's
+    :func:`~kvcap.calibrate.prefill_floor.prefill_floor_s`; a burst of N prefills first come, first served, so
+    its mean waits (N + 1) / 2 of them. A measured TTFT below it was (partly) served from the cache."""
+    one = prefill_floor_s(build_scenario(s.scenario, f"published set {s.name}"), s.lengths[0])
     return one * ((level + 1) / 2 if s.mode == "burst" else 1.0)
 
 
