@@ -110,11 +110,14 @@ def main() -> None:
     print(header())
     for r in table:
         fit_on = r["fit_on"].split(" @ ")[1] + ("*" if not r["fit_on"].startswith(r["set"] + " ") else "")
-        print(row_text(r, fit_on) + (" c" if r["ttft_cached"] else "") + (" w" if r["warm"] else ""))
+        print(row_text(r, fit_on) + (" c" if r["ttft_cached"] else "") + (" w" if r["warm"] else "")
+              + (" s" if r["saturated"] else ""))
     print("* fitted on a100-qwen2-7b-util0.5's levels, KV pool changed to the 93,872 tokens this set's log states")
     print("c: measured TTFT below the floor of an uncached prefill (FLOPs at the GPU's peak): prefix-cache hits")
     print("w: ran after other runs of the same prompts on the same server (prefix caching on): replayed after them, "
           "the prefix cache carried")
+    print("s: saturated — throughput grew under 5% from the rate below, or a burst's prompts exceed one step's "
+          "token budget: TTFT is the queue's order")
     gaps = [r for r in table if r["itl_ms"] and r["itl_ms"]["simulated"]]
     if gaps:
         print()
@@ -130,6 +133,10 @@ def main() -> None:
         k = k if cached else "ttft (uncached points)"
         print(f"{k:10} held-out mean |error| {a.mean():5.1f}%   median {np.median(a):5.1f}%   worst {a.max():5.1f}%"
               f"   within 10%: {int((a <= 10).sum())}/{len(a)}{base}")
+    below = np.abs([r["error_pct"]["ttft"] for r in table if r["error_pct"]["ttft"] is not None
+                    and not r["ttft_cached"] and not r["saturated"]])
+    print(f"ttft below saturation (uncached) mean |error| {below.mean():5.1f}%   worst {below.max():5.1f}%   "
+          f"within 20%: {int((below <= 20).sum())}/{len(below)}")
     seen: dict[str, list[float]] = {}
     for r in table:
         seen.setdefault(r["fit_on"], r["step_cost_ms"])

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from kvcap.calibrate.fit import Fit, Simulator, fit
+from kvcap.calibrate.fit import PLATEAU_GAIN, Fit, Simulator, fit
 from kvcap.calibrate.observe import Observation, ServerFacts
 from kvcap.calibrate.prefill_floor import prefill_floor_s
 from kvcap.calibrate.simulate import StepCost, key, serving_section
@@ -82,6 +82,18 @@ class PublishedSet:
         """The point's published inter-token gap percentiles (ms), where it gives all of :data:`ITL_KEYS`."""
         point = next((p for p in self.points if p["level"] == level), {})
         return {k: point[k] for k in ITL_KEYS} if all(k in point for k in ITL_KEYS) else None
+
+    def saturated(self, level: float) -> bool:
+        """The server was past what it could serve as offered at this level, so TTFT is mostly the queue's order:
+        a rate whose measured throughput grew less than :data:`~kvcap.calibrate.fit.PLATEAU_GAIN` over the next
+        lower rate's, or a burst whose prompts do not fit one step's token budget together (they wait for each
+        other's prefill)."""
+        if self.mode == "burst":
+            budget = build_scenario(self.scenario, f"published set {self.name}").serving.max_num_batched_tokens
+            return level * self.lengths[0] > budget
+        thr = {p["level"]: p["output_tok_s"] for p in self.points}
+        lower = [v for v in thr if v < level]
+        return bool(lower) and thr[level] < PLATEAU_GAIN * thr[max(lower)]
 
     @property
     def lengths(self) -> tuple[float, float]:
@@ -387,7 +399,8 @@ def rows(p: Prediction) -> list[dict[str, Any]]:
 
         floor = ttft_floor_s(p.target, o.level)
         out.append({"set": o.run, "level": o.level, "in_flight": o.in_flight, "ttft_floor_ms": floor * 1e3,
-                    "ttft_cached": ttft_cached(p.target, o), "warm": p.target.warm(o.level), "measured": vals(o),
+                    "ttft_cached": ttft_cached(p.target, o), "warm": p.target.warm(o.level),
+                    "saturated": p.target.saturated(o.level), "measured": vals(o),
                     "simulated": vals(s), "error_pct": errors_pct(o, s),
                     "itl_ms": {"measured": p.target.itl(o.level), "simulated": p.itl.get(key(o))}
                     if p.target.itl(o.level) is not None else None})
