@@ -175,8 +175,7 @@ def limits(fitted: list[Observation], budget: int | None,
         out.append(f"the profile never offered more than ~{offered:,.0f} prompt tokens at once, within the "
                    f"{budget:,}-token step budget the scenario keeps (the engine default): whether the server puts "
                    "more prompt tokens in one step was not measured, and predictions past it assume that budget")
-    cached = [(o, prefill_floor(o.input_tokens)) for o in fitted] if prefill_floor else []
-    cached = [(o, f) for o, f in cached if o.ttft_p50 < f]
+    cached = [(o, f) for o in fitted if prefill_floor and o.ttft_p50 < (f := prefill_floor(o.input_tokens))]
     if cached:
         o, f = cached[0]
         out.append(f"TTFT p50 at {', '.join(x.label for x, _ in cached)} is below what computing the prompts takes "
