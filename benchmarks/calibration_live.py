@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.calibration import fmt, header, row_text  # noqa: E402
+from tests.integration.test_calibrate_llamacpp import CTX_PER_SLOT, LENGTHS, NO_CACHE, SHAPE  # noqa: E402
+from tests.integration.test_serve_sim import running_serve_sim  # noqa: E402
 from tests.llamacpp import llama_server, llama_server_binary  # noqa: E402
 from tests.servers import start_fake_server  # noqa: E402
-from tests.test_calibrate_llamacpp import CTX_PER_SLOT, LENGTHS, NO_CACHE, SHAPE  # noqa: E402
-from tests.test_serve_sim import running_serve_sim  # noqa: E402
 from tests.tiny_gguf import write_tiny_llama_gguf  # noqa: E402
 
 METRICS = {"tpot": ("tpot_ms", "p50", "tpot_ms"), "e2e": ("e2e_ms", "p50", "e2e_ms"),

@@ -20,8 +20,7 @@ import yaml
 
 import kvcap.sim
 from kvcap.sim import native
-
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 DATA = ROOT / "data"
 SEED = ROOT / "scenarios" / "seed-reference.yaml"

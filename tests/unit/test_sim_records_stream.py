@@ -23,8 +23,7 @@ from kvcap.sim.request import SimRequest
 from kvcap.sim.run import record_of, simulate_level
 from kvcap.specs.scenario import load_scenario
 from kvcap.workload.loadplan import LoadPlan, rate_schedule
-
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 REQUESTS_PER_LEVEL = 600
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +15,9 @@ import pytest
 from kvcap.analysis.column_reader import read_columns
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
+from tests.conftest import ROOT
 
-GOLDEN = Path(__file__).parent / "data" / "summary_golden"
+GOLDEN = ROOT / "tests" / "data" / "summary_golden"
 
 
 def _trends_to_9_digits(summary: dict[str, Any]) -> dict[str, Any]:

@@ -22,8 +22,7 @@ from kvcap.analysis.quantiles import OrderStats, _value_counts, percentiles
 from kvcap.analysis.summary import build_summary
 from kvcap.analysis.tokens import count_each_token, count_tokens
 from kvcap.rundir import RunDir
-
-from .conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli
 
 SCENARIO = str(ROOT / "scenarios" / "seed-reference.yaml")
 CASES = {

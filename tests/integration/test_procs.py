@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvcap.procs import StartError, free_port, log_tail, one_line, start, terminate
+from tests.conftest import ROOT
 
 PY = sys.executable
 
@@ -254,7 +255,7 @@ def test_processes_left_running_are_stopped_at_interpreter_exit(tmp_path):
         proc = start(["sleep", "60"])
         print(proc.pid, flush=True)
     """
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
     out = subprocess.run(script(code), capture_output=True, text=True, timeout=60, env=env, cwd=root)
     assert out.returncode == 0, out.stderr

@@ -13,10 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA_TESTS = ("tests/test_workload.py::test_real_traces_read", "tests/test_sim_cost_calibration.py",
-              "tests/test_sim.py::test_mooncake_trace_drives_prefix_caching_and_the_tier",
-              "tests/test_calibrate_published.py")
+from tests.conftest import ROOT
+
+DATA_TESTS = ("tests/unit/test_workload.py::test_real_traces_read", "tests/unit/test_sim_cost_calibration.py",
+              "tests/integration/test_sim_cost_calibration_script.py",
+              "tests/integration/test_sim.py::test_mooncake_trace_drives_prefix_caching_and_the_tier",
+              "tests/integration/test_calibrate_published.py")
 OUTSIDE = re.compile(r"\.\./shared|parents\[2\]|ROOT\.parent|parent\.parent / \"shared\"")
 
 

@@ -19,10 +19,9 @@ from kvcap.analysis import column_file, column_reader, telemetry
 from kvcap.analysis.column_file import _itl_stored, stored_columns
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import COLUMN_COPIES, REQUESTS, TELEMETRY, RunDir, RunWriter
-
-from .conftest import run_cli
-from .servers import start_fake_server
-from .test_record_columns import CASES, SCENARIO
+from tests.conftest import run_cli
+from tests.integration.test_record_columns import CASES, SCENARIO
+from tests.servers import start_fake_server
 
 COLUMNS, COLUMNS_INDEX = column_file.copy_paths(Path(REQUESTS))
 _, TEL_INDEX = column_file.copy_paths(Path(TELEMETRY))

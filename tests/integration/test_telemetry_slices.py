@@ -21,8 +21,7 @@ from kvcap.analysis.summary import build_summary
 from kvcap.analysis.telemetry import Telemetry, read_telemetry
 from kvcap.analysis.telemetry_nodes import NodeFigures
 from kvcap.rundir import COLUMN_COPIES, TELEMETRY, RunDir
-
-from .conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli
 
 SCENARIO = str(ROOT / "scenarios" / "seed-reference.yaml")
 

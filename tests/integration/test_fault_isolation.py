@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import statistics
 
+from tests.integration.test_client_overhead import Sink, closed_loop
 from tests.servers import start_fake_server
-from tests.test_client_overhead import Sink, closed_loop
 
 FAULT_MIX = ["http_500:every=5", "reset:every=7", "malformed:every=11", "stall:every=13"]
 

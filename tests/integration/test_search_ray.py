@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from tests.conftest import run_cli
+from tests.integration.test_search import SCENARIO, search
 from tests.ray_cluster import free_ports, needs_ray, ray_cluster
-from tests.test_search import SCENARIO, search
 
 
 @needs_ray

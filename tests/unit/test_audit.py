@@ -248,20 +248,3 @@ def test_no_output_tokens():
     f = find(r, "implied_tpot", 8)
     assert f["severity"] == "info" and "--output-tokens" in f["message"]
     assert not [x for x in r["findings"] if x["check"] == "littles_law"]
-
-
-def test_audit_cli_json_and_errors(tmp_path):
-    import json as _json
-
-    from tests.conftest import ROOT, run_cli
-
-    table = ROOT / "tests" / "data" / "article_table.csv"
-    p = run_cli("audit", str(table), "--output-tokens", "256", "--slo", "ttft_p95=500ms,tpot_p95=80ms", "--json")
-    assert p.returncode == 0, p.stderr
-    d = _json.loads(p.stdout)
-    tpot = next(f for f in d["findings"] if f["check"] == "implied_tpot" and f["level"] == 8)
-    assert tpot["implied_tpot_ms"] == pytest.approx((256 / (97 / 8) - 0.25) / 255 * 1e3, rel=1e-3)
-    bad = tmp_path / "t.csv"
-    bad.write_text("concurrency,ttft_ms\n8,250\n")
-    p = run_cli("audit", str(bad), "--output-tokens", "256")
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "output_tok_s" in p.stderr

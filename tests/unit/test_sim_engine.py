@@ -13,7 +13,7 @@ import pytest
 
 from kvcap.sim.cluster import cluster_model
 from kvcap.sim.request import SimRequest
-from tests.test_sim import scenario
+from tests.integration.test_sim import scenario
 
 
 def drive_closed(overrides: dict, users: int, horizon_s: float, check) -> tuple[int, int, Any]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
+
 PKG = ROOT / "kvcap"
 
 LAYERS: tuple[frozenset[str], ...] = (

@@ -15,7 +15,7 @@ from kvcap.cli import main
 from kvcap.rundir import RunDir
 from tests.conftest import run_cli
 from tests.servers import start_fake_server
-from tests.test_workload import tokenizer_json  # noqa: F401  (a fixture: a small BPE tokenizer.json)
+from tests.unit.test_workload import tokenizer_json  # noqa: F401  (a fixture: a small BPE tokenizer.json)
 
 BASE = {"--concurrency": "2", "--input-tokens": "16", "--output-tokens": "2", "--warmup": "0s", "--requests": "4",
         "--prefix-tokens": "3", "--prefix-groups": "2"}

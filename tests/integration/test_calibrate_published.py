@@ -21,8 +21,9 @@ from kvcap.calibrate.published import (
 )
 from kvcap.errors import InputError
 from kvcap.specs.lengths import parse_length
+from tests.conftest import ROOT
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_measured.yaml"
+DATA = ROOT / "data" / "vllm_measured.yaml"
 
 
 @pytest.fixture(scope="module")
