@@ -16,6 +16,7 @@ import pytest
 from kvcap.rundir import RunDir, read_jsonl
 from tests.conftest import ROOT, run_cli
 from tests.servers import start_fake_server
+from tests.waiting import wait_until
 
 
 def bench(url: str, out: Path, *args: str, timeout: float = 120) -> dict:
@@ -193,7 +194,9 @@ def test_sigint_stops_fast_and_writes_summary(tmp_path):
     with start_fake_server(ttft="10ms", itl="50ms") as srv:
         proc = _start_bench(srv.url, tmp_path / "run", "--concurrency", "8", "--input-tokens", "8",
                             "--output-tokens", "20", "--warmup", "0s", "--duration", "60s")
-        time.sleep(3.0)
+        # a steady run with enough finished for the counts below (about 3 s on a quiet machine)
+        assert wait_until(lambda: proc.poll() is not None or srv.stats()["requests_finished"] >= 24, 60)
+        assert proc.poll() is None, proc.communicate()[1]
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=15)
@@ -214,7 +217,9 @@ def test_sigkill_keeps_every_finished_record(tmp_path):
     with start_fake_server(ttft="10ms", itl="20ms") as srv:
         proc = _start_bench(srv.url, tmp_path / "run", "--concurrency", "16", "--input-tokens", "8",
                             "--output-tokens", "10", "--warmup", "0s", "--duration", "60s")
-        time.sleep(3.0)
+        # enough finished that more than 50 are on disk whatever the 16 in flight do
+        assert wait_until(lambda: proc.poll() is not None or srv.stats()["requests_finished"] >= 100, 60)
+        assert proc.poll() is None, proc.communicate()[1]
         before = srv.stats()["requests_finished"]
         proc.kill()
         proc.wait(timeout=10)

@@ -25,6 +25,7 @@ from kvcap.workload.loadplan import LoadPlan
 from kvcap.workload.prompts import PromptFactory
 from tests.conftest import ROOT
 from tests.servers import start_fake_server
+from tests.waiting import until
 
 TTFT_MS = 50.0
 
@@ -96,8 +97,12 @@ def test_pool_closes_its_connections():
             assert await pool.prewarm(url + "/v1/completions", 3) == 3
             assert await pool.prewarm(url + "/v1/completions", 3) == 0  # already idle
             conns = [c for idle in pool.idle.values() for c in idle]
-        await asyncio.sleep(0.05)
-        return sum(1 for c in conns if c.transport is not None and not c.transport.is_closing())
+
+        def still_open() -> int:
+            return sum(1 for c in conns if c.transport is not None and not c.transport.is_closing())
+
+        await until(lambda: not still_open(), 5)
+        return still_open()
 
     with start_fake_server(ttft="1ms", itl="1ms") as srv:
         assert asyncio.run(main(srv.url)) == 0

@@ -22,6 +22,7 @@ from kvcap.serve.protocol import ApiConfig
 from kvcap.testing.engines import FixedTimingEngine
 from tests.conftest import ROOT, run_cli
 from tests.servers import start_fake_server
+from tests.waiting import wait_until
 
 TINY = ("--input-tokens", "8", "--output-tokens", "4", "--warmup", "0s", "--quiet")
 
@@ -189,7 +190,9 @@ def test_server_dying_mid_run_stops_the_run_without_spinning(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "kvcap", "bench", "--url", srv.url, "--out", str(out), *TINY,
                                  "--concurrency", "8,16", "--duration", "30s"], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(3.0)
+        # the run is under way, well inside level 8's 30 s, when the server dies
+        assert wait_until(lambda: proc.poll() is not None or srv.stats()["requests_finished"] >= 50, 25)
+        assert proc.poll() is None, proc.communicate()[1]
         served = srv.stats()["requests_finished"]
         killed_at = time.monotonic()
     finally:

@@ -16,6 +16,7 @@ from kvcap.loadgen.client import ConnectionPolicy, Outcome, Target, stream_reque
 from kvcap.loadgen.http import ABORT, MORE, Exchange, Pool
 from kvcap.workload.prompts import RequestSpec
 from tests.servers import start_fake_server
+from tests.waiting import until
 
 
 def raw_response(port: int, body: dict) -> bytes:
@@ -121,7 +122,7 @@ def test_the_pool_replaces_a_dropped_connection_in_the_background():
             await pool.prewarm(url, 2)
             conn = next(iter(pool.idle.values()))[0]
             conn.close()  # as a reset would
-            await asyncio.sleep(0.2)
+            await until(lambda: len(pool.idle[conn.key]) >= 2 and pool.opened >= 3, 5)
             return len(pool.idle[conn.key]), pool.opened
 
     with start_fake_server(ttft="1ms", itl="1ms") as srv:

@@ -24,6 +24,7 @@ from kvcap.sim.cluster import cluster_model
 from kvcap.sim.server import RealTimeSim
 from kvcap.specs.scenario import load_scenario
 from tests.conftest import ROOT, run_cli
+from tests.waiting import wait_until
 
 SCENARIO = ROOT / "scenarios" / "seed-reference.yaml"
 
@@ -81,8 +82,9 @@ def test_bench_against_serve_sim_matches_the_simulators_log(serve_sim, tmp_path)
                 "--warmup", "2s", "--duration", "8s", "--metrics-url", url + "/metrics", "--out", str(out),
                 "--quiet", "--json", timeout=120)
     assert p.returncode == 0, p.stderr
-    time.sleep(0.5)
     measured = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    # serve-sim logs a request once it has sent it all, which the client may have read first (+1: the chat call)
+    assert wait_until(lambda: log.read_text().count("\n") >= len(measured) + 1, 10)
     logged = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda r: r["start_s"])[1:]
     # (the first logged request is the chat call above)
     assert all(r["ok"] for r in measured) and all(r["ok"] for r in logged)

@@ -15,6 +15,7 @@ from kvcap.testing.faults import FaultRules, FaultSpec, InjectedFault
 from tests import servers
 from tests.servers import FakeServer
 from tests.streams import arun, session, stream
+from tests.waiting import until
 
 fake_server = servers.fake_server  # the factory fixture
 
@@ -50,7 +51,7 @@ async def test_fault_kinds(fake_server: Callable[..., FakeServer], kind: str) ->
         assert hit.status == 200 and hit.n_tokens == 3 and not hit.done and hit.error is None
         last = hit.objs()[-1]
         assert last["error"]["type"] == "server_error" and last["error"]["code"] == 500
-    await asyncio.sleep(0.1)  # the stalled handler notices its client left
+    await until(lambda: srv.stats()["running"] == 0, 5)  # the stalled handler notices its client left
     st = srv.stats()
     assert st["faults_injected"][kind] == 1 and sum(st["faults_injected"].values()) == 1
     assert st["requests_started"] == 3 and st["running"] == 0

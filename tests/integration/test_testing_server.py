@@ -30,6 +30,7 @@ from kvcap.testing.truth import batching_truth
 from tests import servers, streams
 from tests.servers import FakeServer, start_fake_server
 from tests.streams import ITL_MS, TOL_MS, TTFT_MS, Stream, arun, near, session, stream, truth_check
+from tests.waiting import until
 
 fake_server = servers.fake_server  # the factory fixture
 fixed_srv = streams.fixed_srv
@@ -147,9 +148,14 @@ async def test_batching_over_slots_queues_and_caps_the_batch(fake_server: Callab
 
     async def measure() -> tuple[list[list[Stream]], str]:
         loop_task = asyncio.ensure_future(closed_loop(srv.url, clients=clients, rounds=3, tokens=tokens))
-        await asyncio.sleep(0.25)
-        async with session() as s, s.get(srv.url + "/metrics") as r:
-            scraped = await r.text()
+        async with session() as s:  # scraped once the batch is full and a queue waits, as it is for most of the run
+            while True:
+                async with s.get(srv.url + "/metrics") as r:
+                    scraped = await r.text()
+                if loop_task.done() or re.search(r'^vllm:num_requests_waiting\{model_name="fake-model"\} [1-9]',
+                                                 scraped, re.M):
+                    break
+                await asyncio.sleep(0.05)
         per_client = await loop_task
         assert all(r.done and r.n_tokens == tokens for rs in per_client for r in rs)
         return per_client, scraped
@@ -202,7 +208,12 @@ async def test_batching_client_disconnect_frees_the_slot(fake_server: Callable[.
         nxt = await stream(s, srv.url, max_tokens=3)
     assert len(gone.events) == 2 and nxt.done
     assert time.perf_counter() - t0 < 1.0  # not stuck behind the abandoned 500-token request
-    await asyncio.sleep(0.05)
+
+    def settled() -> bool:  # the server has noticed the abandoned stream's client left
+        st = srv.stats()
+        return st["running"] == 0 and st["requests_aborted"] >= 1
+
+    await until(settled, 5)
     st = srv.stats()
     assert st["running"] == 0 and st["requests_aborted"] == 1 and st["requests_finished"] == 1
 
@@ -282,7 +293,9 @@ async def test_connection_counting(fake_server: Callable[..., FakeServer]) -> No
         for _ in range(3):
             r = await stream(s, closing.url, max_tokens=2)
             assert r.done, r.error
-            await asyncio.sleep(0.05)  # let the client see the close before reusing the pool
+            # the client sees the server's close before the pool is reused (aiohttp keeps its pool in _conns)
+            assert await until(lambda: not any(proto.is_connected() for idle in s.connector._conns.values()
+                                               for proto, _ in idle), 5)
     assert closing.stats()["connections_opened"] - base == 3 + 1
 
 

@@ -58,9 +58,14 @@ def test_blocks_never_exceed_capacity_and_every_request_finishes(offload):
     assert submitted == finished > 160  # conservation: nothing lost, nothing stuck
     blocks = sim.replicas[0].cfg.blocks
     assert worst["used"] >= 0.9 * blocks  # the pool really was pushed to its limit
-    if offload != "none":
+    preemptions = sum(r.preemptions for r in sim.replicas)
+    if offload == "none":
+        assert preemptions > 0  # vLLM's rule: a request that cannot get its next block preempts the newest
+    else:
         assert worst["tier"] > 0
-        assert sum(r.preemptions for r in sim.replicas) >= 0
+        # the default admission (tiers) parks a request's KV in the tier until HBM has room for its whole
+        # sequence, so a full pool never preempts
+        assert preemptions == 0
     assert all(not r.running and not r.waiting and not r.parked and r.hbm.used == 0 for r in sim.replicas)
 
 
