@@ -16,6 +16,7 @@ import pytest
 from kvcap.rundir import RunDir, read_jsonl
 from tests.conftest import ROOT, run_cli
 from tests.servers import start_fake_server
+from tests.starvation import ServerTimers, judge_unless_starved, starved
 from tests.waiting import wait_until
 
 
@@ -230,14 +231,23 @@ def test_sigkill_keeps_every_finished_record(tmp_path):
 
 
 def test_workers_split_the_load(tmp_path, fixed_server):
-    s = bench(fixed_server.url, tmp_path / "run", "--workers", "2", "--concurrency", "4,8", "--input-tokens", "16",
-              "--output-tokens", "12", "--warmup", "0.5s", "--duration", "2s")
-    for c in (4, 8):
-        lv = level(s, c)
-        assert lv["errors"] == 0 and 50 <= lv["ttft_ms"]["p50"] <= 54
-        assert lv["output_tok_s"] == pytest.approx(c * 12 / 0.27, rel=0.1)
-    workers = {r["worker"] for r in RunDir(tmp_path / "run").records()}
-    assert workers == {0, 1}
+    """The bench and its two workers beside the server: a run the host starved (one core busy is enough) is taken
+    again, and if every one was, the test says so rather than judge a truth that was never delivered."""
+    def measure(attempt: int) -> tuple[dict, str | None]:
+        timers, out = ServerTimers(fixed_server), tmp_path / f"run{attempt}"
+        s = bench(fixed_server.url, out, "--workers", "2", "--concurrency", "4,8", "--input-tokens", "16",
+                  "--output-tokens", "12", "--warmup", "0.5s", "--duration", "2s")
+        assert all(level(s, c)["errors"] == 0 for c in (4, 8))  # not timing: judged on every attempt
+        assert {r["worker"] for r in RunDir(out).records()} == {0, 1}
+        return s, starved(s, timers.late())
+
+    def check(s: dict) -> None:
+        for c in (4, 8):
+            lv = level(s, c)
+            assert 50 <= lv["ttft_ms"]["p50"] <= 54, (c, lv["ttft_ms"])
+            assert lv["output_tok_s"] == pytest.approx(c * 12 / 0.27, rel=0.1), c
+
+    judge_unless_starved(measure, check)
 
 
 def test_trace_replay_mooncake_with_shared_prefixes(tmp_path, fixed_server):

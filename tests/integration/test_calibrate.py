@@ -25,6 +25,7 @@ from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import load_scenario
 from tests.conftest import run_cli
 from tests.servers import start_fake_server
+from tests.starvation import ServerTimers, judge_unless_starved, starved
 
 A, B = 0.020, 0.003  # the test server's truth: --step-a 20ms --step-b 3ms
 LENGTHS = ("--input-tokens", "64", "--output-tokens", "32")
@@ -301,23 +302,34 @@ def test_a_rate_profile_past_the_slots_without_telemetry_predicts_the_rate_held_
     """A server with no /metrics, benched at fixed rates past its 8 slots: the slots come from what decoded at
     once where requests queued, and the highest rate, held out, is predicted — throughput and TPOT at the
     server's ceiling, TTFT as the queue the run built (before: 256 slots assumed, throughput +288%, TTFT −99%)."""
-    run = tmp_path / "rate"
-    with start_fake_server(slots=8, step_a="10ms", step_b="2ms") as srv:
-        proc = run_cli("bench", "--url", srv.url, "--out", str(run), "--quiet", *LENGTHS, "--rate", "5,20,40",
-                       "--warmup", "1s", "--duration", "4s", timeout=180)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    r = calibrate_json(str(run), "--out", str(tmp_path / "rate.yaml"), "--holdout", "40")
-    assert r["slots"] == 8 and "open loop queued" in r["slots_source"]
-    assert r["warnings"] == []  # every fitted level reproduced within 25%
-    held = next(row for row in r["table"] if row["held_out"])
-    assert abs(held["error_pct"]["throughput"]) < 10, held
-    assert abs(held["error_pct"]["tpot_p50"]) < 10, held
-    assert abs(held["error_pct"]["ttft_p50"]) < 20, held
-    # the step itself, read from the records' pure decode steps (the open loop's gaps that carried no prompt):
-    # the truth's 10 ms + 2 ms a sequence (before: 8.6 ms and a prefill cost five times the truth's on a server
-    # with one; a relative residual on a prompt's ~2 ms step once bent it to 16 ms + 0.7 ms)
-    cost = {k: v["value_s"] for k, v in r["step_cost"].items()}
-    assert cost["base"] == pytest.approx(0.010, rel=0.1) and cost["per_decode"] == pytest.approx(0.002, rel=0.1)
+    def measure(attempt: int) -> tuple[dict, str | None]:
+        run = tmp_path / f"rate{attempt}"
+        with start_fake_server(slots=8, step_a="10ms", step_b="2ms") as srv:
+            timers = ServerTimers(srv)
+            proc = run_cli("bench", "--url", srv.url, "--out", str(run), "--quiet", *LENGTHS, "--rate", "5,20,40",
+                           "--warmup", "1s", "--duration", "4s", timeout=180)
+            late = timers.late()
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        r = calibrate_json(str(run), "--out", str(tmp_path / f"rate{attempt}.yaml"), "--holdout", "40")
+        return r, starved(json.loads((run / "summary.json").read_text()), late)
+
+    def check(r: dict) -> None:
+        assert r["slots"] == 8 and "open loop queued" in r["slots_source"]
+        assert r["warnings"] == []  # every fitted level reproduced within 25%
+        held = next(row for row in r["table"] if row["held_out"])
+        assert abs(held["error_pct"]["throughput"]) < 10, held
+        assert abs(held["error_pct"]["tpot_p50"]) < 10, held
+        assert abs(held["error_pct"]["ttft_p50"]) < 20, held
+        # the step itself, read from the records' pure decode steps (the open loop's gaps that carried no
+        # prompt): the truth's 10 ms + 2 ms a sequence (before: 8.6 ms and a prefill cost five times the truth's
+        # on a server with one; a relative residual on a prompt's ~2 ms step once bent it to 16 ms + 0.7 ms)
+        cost = {k: v["value_s"] for k, v in r["step_cost"].items()}
+        assert cost["base"] == pytest.approx(0.010, rel=0.1), cost
+        assert cost["per_decode"] == pytest.approx(0.002, rel=0.1), cost
+
+    # the fit reads the server's timing: a run the host starved (one core busy is enough) is taken again, and if
+    # every one was, the test says so rather than judge a truth that was never delivered
+    judge_unless_starved(measure, check)
 
 
 def test_varied_prompts_are_replayed_with_the_spread_the_run_measured(tmp_path):

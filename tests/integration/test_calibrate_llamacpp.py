@@ -30,6 +30,7 @@ import yaml
 
 from tests.conftest import run_cli
 from tests.llamacpp import llama_server
+from tests.starvation import judge_unless_starved, starved
 from tests.tiny_gguf import write_tiny_llama_gguf
 
 pytestmark = pytest.mark.llamacpp
@@ -147,11 +148,27 @@ def test_a_queue_at_the_door_slows_the_steps_and_calibrate_measures_it(tmp_path)
     waiting, and c = 128 delivers 20–25% less than c = 8. Fit on c = 1, 2, 4, 8 and c = 64 (56 waiting: a level
     well past the slots, where the cost stands above the run-to-run noise) of one server; predict c = 128, held
     out: throughput and TPOT p50 within :data:`QUEUE_TOLERANCE`, and closer than the same scenario without
-    ``per_waiting`` (which says +27…+41%)."""
+    ``per_waiting`` (which says +27…+41%).
+
+    128 streams on one client process: a host that starves it (one core busy is enough) delivers less than the
+    server could, which no server model predicts. Such a run is taken again, and if every one was starved, the
+    test says so (:mod:`tests.starvation`) rather than judge a truth that was never measured."""
     gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf", **SHAPE)
-    with llama_server(gguf, parallel=8, ctx_size=8 * CTX_PER_SLOT, extra_args=UNIFIED) as url:
-        bench(url, tmp_path / "profile", "1,2,4,8,64")
-        measured = bench(url, tmp_path / "closed", "8,128")
+
+    def measure(attempt: int) -> tuple[tuple[Path, dict], str | None]:
+        here = tmp_path / f"attempt{attempt}"
+        with llama_server(gguf, parallel=8, ctx_size=8 * CTX_PER_SLOT, extra_args=UNIFIED) as url:
+            bench(url, here / "profile", "1,2,4,8,64")
+            measured = bench(url, here / "closed", "8,128")
+        why = [f"{name}: {reason}" for name in ("profile", "closed")
+               if (reason := starved(json.loads((here / name / "summary.json").read_text())))]
+        return (here, measured), "; ".join(why) or None
+
+    judge_unless_starved(measure, lambda data: _queue_prediction_holds(*data), attempts=2)
+
+
+def _queue_prediction_holds(tmp_path: Path, measured: dict) -> None:
+    """Calibrate on the profile, then predict c = 128 with and without ``per_waiting`` against what was measured."""
     scenario = tmp_path / "calibrated.yaml"
     p = run_cli("calibrate", str(tmp_path / "profile"), "--kv-unified", "--out", str(scenario), "--json")
     assert p.returncode == 0, p.stderr[-2000:]
