@@ -170,8 +170,7 @@ FLOOR_GAP = 0.05
 def step_floor(obs: list[Observation], b: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     """(floor, the levels the line goes through). The decode step of a real server is a roofline — flat while
     something the batch does not change sets it, a line above — and a line through small batches alone
-    understates what each sequence costs at the batches a what-if asks about (llama.cpp on CPU: 0.68, 0.79 and
-    1.19 ms pure steps at 1, 2 and 4 sequences, 2.02 ms at 8 — a line through all three said 1.82). Told only
+    understates what each sequence costs at the batches a what-if asks about. Told only
     from the records' pure steps at three batch sizes or more (TPOT mixes in the prompts; two points make any
     line): the smallest batch's step, when over :data:`FLOOR_GAP` above the line through the others, is the
     floor, and the line goes through the others."""

@@ -165,7 +165,7 @@ def measured_shapes(run: RunDir, input_spec: Any, output_spec: Any) -> Shapes:
     """Per (mode, level): the (prompt, output) length shapes its successful measured requests had, for specs that
     asked for a distribution; None for a fixed length (or a spec that does not parse): the measured mean is
     replayed then. Measured, not asked: the server counts the tokens, and what a bench realises of the asked
-    spread can be narrower (a lognormal:200,100 came back with cv 0.35, not 0.5). Each level its own: a level
+    spread can be narrower. Each level its own: a level
     held out of the fit lends nothing to the others."""
     kinds = [_kind(input_spec), _kind(output_spec)]
     if not any(kinds):

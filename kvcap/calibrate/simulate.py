@@ -75,8 +75,8 @@ def groups(obs: list[Observation]) -> dict[Group, list[Observation]]:
 def group_sections(key: Group, levels: list[float], tpot_s: float) -> dict[str, Any]:
     """The workload and load sections of one simulated run: the run's own window (warm-up, then its duration or
     count) and, open loop, its seed. A closed loop's users start together, and the phase they start in fades
-    over many requests: a window of a few requests each measures that start, not the steady state (TTFT 404 ms
-    in a 6 s window of 8 users, 287 ms after 60 s, on one server), so the simulator measures the same window.
+    over many requests: a window of a few requests each measures that start, not the steady state, so the
+    simulator measures the same window.
     A closed loop of unknown window: a warm-up of a few requests' length, then a count."""
     mode, n_in, n_out, arrival, (warmup, measured, requests, seed) = key
     if mode == "trace":  # the rows sent, each request's own lengths: replayed whole after the same warm-up
