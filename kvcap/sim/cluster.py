@@ -17,7 +17,7 @@ from kvcap.sim.links import Link, LinkSet
 from kvcap.sim.policy import SchedulingPolicy
 from kvcap.sim.policy_llamacpp import LlamaCppPolicy
 from kvcap.sim.policy_vllm import VllmPolicy
-from kvcap.sim.replica import ReplicaConfig
+from kvcap.sim.replica_state import ReplicaConfig
 from kvcap.sim.request import SimRequest
 from kvcap.specs.scenario import Scenario
 
@@ -71,10 +71,10 @@ class ClusterModel:
                 kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=sv.hash_block_tokens,
                 prefix_caching=sv.enable_prefix_caching and sv.engine == "vllm", park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
                 node=nodes[0], host_link=host_link,
-                nic_links=tuple(nics[n] for n in nodes), policy=policy, blocks_for=blocks_for,
+                nic_links=tuple(nics[n] for n in nodes), blocks_for=blocks_for,
                 max_model_len=inputs.model.max_position_embeddings or None))
         overhead = sv.step_cost.per_request if sv.step_cost is not None else 0.0
-        sim = Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish,
+        sim = Simulation(configs, tiers, links, policy, routing=sv.routing, pool_links=pool, on_finish=on_finish,
                          request_overhead_s=overhead)
         sim.max_span = self.max_span
         return sim
@@ -100,14 +100,20 @@ def slot_context(cm: ClusterModel) -> int:
     return min(ctx, limit) if limit else ctx
 
 
-def _policy(cm: ClusterModel, blocks_for: Callable[[int], int] | None) -> tuple[SchedulingPolicy, int]:
-    """The engine profile's scheduling rules and the replica's KV blocks (llamacpp: one context per slot)."""
+def _policy(cm: ClusterModel, blocks_for: Callable[[int], int] | None
+            ) -> tuple[Callable[[], SchedulingPolicy], int]:
+    """The engine profile's scheduling rules (a new policy per replica) and the replica's KV blocks (llamacpp: one
+    context per slot)."""
     sv = cm.scenario.serving
     if sv.engine == "llamacpp":
-        ctx = slot_context(cm)
+        ctx, slots, split_kv = slot_context(cm), sv.max_num_seqs, not sv.kv_unified
         per_slot = blocks_for(ctx) if blocks_for is not None else -(-ctx // sv.block_size)
-        return LlamaCppPolicy(ctx, split_kv=not sv.kv_unified), per_slot * sv.max_num_seqs
-    return VllmPolicy(), cm.plan.kv_blocks_per_gpu
+
+        def llamacpp() -> SchedulingPolicy:
+            return LlamaCppPolicy(ctx, slots, split_kv=split_kv)
+
+        return llamacpp, per_slot * slots
+    return VllmPolicy, cm.plan.kv_blocks_per_gpu
 
 
 def _blocks_for(cm: ClusterModel) -> Callable[[int], int] | None:
