@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcap.plan import PlanInputs, PlanResult, kv_bytes_per_sequence, plan, resolve
-from kvcap.sim.cost import CostModel, cost_model
+from kvcap.sim.cost import cost_model
 from kvcap.sim.cost_empirical import EmpiricalCost
 from kvcap.sim.engine import Simulation
 from kvcap.sim.kv import Tier
@@ -19,6 +19,7 @@ from kvcap.sim.policy_llamacpp import LlamaCppPolicy
 from kvcap.sim.policy_vllm import VllmPolicy
 from kvcap.sim.replica_state import ReplicaConfig
 from kvcap.sim.request import SimRequest
+from kvcap.sim.step_cost import StepCostModel
 from kvcap.specs.scenario import Scenario
 
 
@@ -80,14 +81,15 @@ class ClusterModel:
         return sim
 
 
-def _cost(cm: ClusterModel) -> CostModel | EmpiricalCost:
+def _cost(cm: ClusterModel) -> StepCostModel:
     """``serving.step_cost`` when measured, else the roofline for the model on the GPU."""
     sc, inputs = cm.scenario, cm.inputs
     sv = sc.serving
     if sv.step_cost is not None:
         c = sv.step_cost
-        return EmpiricalCost(inputs.model, c.base, c.per_decode, c.per_prefill_token, c.per_context_token,
-                             c.floor, c.per_waiting)
+        return EmpiricalCost(model=inputs.model, base=c.base, per_decode=c.per_decode,
+                             per_prefill_token=c.per_prefill_token, per_context_token=c.per_context_token,
+                             floor=c.floor, per_waiting=c.per_waiting)
     return cost_model(inputs.model, inputs.gpu, tp=sv.tensor_parallel, weights_dtype=cm.plan.weights_dtype,
                       kv_dtype=sc.model.kv_dtype)
 

@@ -13,11 +13,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvcap.sim.cost import CostModel
-from kvcap.sim.cost_empirical import EmpiricalCost
 from kvcap.sim.kv import BlockPool
 from kvcap.sim.links import Link
 from kvcap.sim.request import SimRequest
+from kvcap.sim.step_cost import StepCostModel
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,7 @@ class ReplicaConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     chunked_prefill: bool
-    cost: CostModel | EmpiricalCost
+    cost: StepCostModel
     """The roofline, or a measured step time (``serving.step_cost``)."""
     kv_bytes_per_token: float
     """Whole replica (every layer, every tp rank): the bytes a copy of one token's KV moves."""
