@@ -21,10 +21,9 @@ The rules it follows (llama.cpp ``tools/server``: ``update_slots``, ``process_si
 6. a step runs as several forward passes (``llama_batch_allocr::split_equal`` with split KV): a pass takes the
    same number of tokens from each sequence of one run of consecutive busy slot ids, at most ``n_ubatch``
    (512) tokens, so scattered slots decode in a pass per run, and a prompt beside decodes gets passes of its
-   own after the pass that took one token from everyone (:func:`forward_passes`). Pinned with ``id_slot`` on
-   the tests' 4-layer model: four sequences in slots {0–3} 1.39 ms a step, {0, 1, 4, 5} 1.79 ms, {0, 2, 4, 6}
-   2.85 ms — about 0.49 ms a pass and 0.19 ms a token. A measured step cost (``serving.step_cost``) prices
-   its ``base`` once per pass.
+   own after the pass that took one token from everyone (:func:`forward_passes`): pinned with ``id_slot``, the
+   same sequences take longer a step the more runs their slots form. A measured step cost
+   (``serving.step_cost``) prices its ``base`` once per pass.
 
 With ``serving.kv_unified`` (``--kv-unified``, one shared pool; llama.cpp's default when ``--parallel`` is left to
 auto) a step is one pass per ``n_ubatch`` tokens, whatever slots are busy; slots keep their own context.

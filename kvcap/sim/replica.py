@@ -210,7 +210,7 @@ class Replica(ReplicaState):
             elif (k > 1 and not self.waiting and self.sim.arrival_due(now) and self.policy.may_admit_arrival(self)
                   and self.sim.may_route_to(self.index)):
                 k = 1  # an arrival at this instant (a closed loop's next request) will cut the span after its
-                # first step: planning the rest (blocks, step ends) only to give it back costs a fifth of the run.
+                # first step: planning the rest (blocks, step ends) only to give it back is wasted work.
                 # Not when requests already wait (the head could not be admitted, or the policy would have said
                 # so): the arrival queues behind them and cuts nothing; nor when it goes to another replica or
                 # could not be admitted (no slot, no block)
