@@ -87,7 +87,7 @@ def _cost(cm: ClusterModel) -> StepCostModel:
     sv = sc.serving
     if sv.step_cost is not None:
         c = sv.step_cost
-        return EmpiricalCost(model=inputs.model, base=c.base, per_decode=c.per_decode,
+        return EmpiricalCost(inputs.model, base=c.base, per_decode=c.per_decode,
                              per_prefill_token=c.per_prefill_token, per_context_token=c.per_context_token,
                              floor=c.floor, per_waiting=c.per_waiting)
     return cost_model(inputs.model, inputs.gpu, tp=sv.tensor_parallel, weights_dtype=cm.plan.weights_dtype,

@@ -18,8 +18,6 @@ otherwise).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from kvcap.sim.batch_shape import BatchShape
@@ -27,20 +25,25 @@ from kvcap.sim.step_cost import IterationCost, StepCostModel
 from kvcap.specs.model import ModelSpec
 
 
-@dataclass(frozen=True)
 class EmpiricalCost(StepCostModel):
     """Linear step time (seconds per unit; see the module docstring); ``model`` is kept for the replica's
-    sliding-window lookup and reports."""
+    sliding-window lookup and reports. Treat as read-only.
 
-    model: ModelSpec
-    base: float
-    per_decode: float
-    per_prefill_token: float
-    per_context_token: float
-    floor: float = 0.0
-    """Seconds a forward pass takes at least (``StepCost.floor``)."""
-    per_waiting: float = 0.0
-    """Seconds per sequence that samples per request waiting at the server (``StepCost.per_waiting``)."""
+    A plain class, not a dataclass: compiled, the interface's ``model`` attribute would read as a default."""
+
+    __slots__ = ("base", "floor", "model", "per_context_token", "per_decode", "per_prefill_token", "per_waiting")
+
+    def __init__(self, model: ModelSpec, *, base: float, per_decode: float, per_prefill_token: float,
+                 per_context_token: float, floor: float = 0.0, per_waiting: float = 0.0) -> None:
+        self.model = model
+        self.base = base
+        self.per_decode = per_decode
+        self.per_prefill_token = per_prefill_token
+        self.per_context_token = per_context_token
+        self.floor = floor
+        """Seconds a forward pass takes at least (``StepCost.floor``)."""
+        self.per_waiting = per_waiting
+        """Seconds per sequence that samples per request waiting at the server (``StepCost.per_waiting``)."""
 
     def iteration_time(self, batch: BatchShape) -> IterationCost:
         """One step over ``batch``; an empty batch costs nothing (as the roofline's)."""
