@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvcap.calibrate.observe import Observation
-from kvcap.calibrate.simulate import StepCost, cost_from
+from kvcap.calibrate.simulate import StepCost
 from kvcap.errors import InputError
 from kvcap.specs.scenario import ServingSpec
 
@@ -160,7 +160,10 @@ def closed_form(obs: list[Observation], slots: int, front_end: bool = False,
     if floor:
         notes.append(f"floor: the pure decode step at the smallest batch ({floor * 1e3:.3f} ms) is over "
                      f"{FLOOR_GAP:.0%} above the line through the larger ones: a step takes at least that")
-    return cost_from((base, per_decode, ppt, per_ctx, per_request, floor, per_waiting)), stderr, notes
+    cost = StepCost(base=float(base), per_decode=float(per_decode), per_prefill_token=float(ppt),
+                    per_context_token=float(per_ctx), per_request=float(per_request), floor=float(floor),
+                    per_waiting=float(per_waiting))
+    return cost, stderr, notes
 
 
 FLOOR_GAP = 0.05
