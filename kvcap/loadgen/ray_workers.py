@@ -12,6 +12,7 @@ A worker whose node is lost ends the run for that worker only: its requests in f
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ CALL_TIMEOUT_S = 10.0
 MAX_UNCERTAINTY_S = 1e-3
 """Above this clock-offset uncertainty a worker's start_s could be misplaced by more than a millisecond: warn."""
 PLACEMENTS = ("spread", "pack")
+
+log = logging.getLogger(__name__)
 
 
 def import_ray() -> Any:
@@ -334,6 +337,7 @@ class RayPool:
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reply"
             reason = f"{type(exc).__name__}: {text}"
             ws.lost = reason if len(reason) <= 200 else reason[:197] + "..."
+            log.debug("worker %d lost: %s", ws.w, reason)
 
     def _write_lost(self, ws: WorkerState, writer: Any) -> None:
         """The lost worker's requests in flight at its last drain, as ``cancelled`` records with the reason."""
@@ -365,15 +369,15 @@ class RayPool:
         for ws in self.workers:
             try:
                 ray.kill(ws.actor)
-            except Exception:  # already gone with its node
-                pass
+            except Exception as exc:  # already gone with its node: nothing left to stop
+                log.debug("worker %d not killed (already gone): %s: %s", ws.w, type(exc).__name__, exc)
         if self.group is not None:
             try:
                 from ray.util.placement_group import remove_placement_group
 
                 remove_placement_group(self.group)
-            except Exception:
-                pass
+            except Exception as exc:  # the cluster frees it when this driver disconnects (ray.shutdown below)
+                log.debug("placement group not removed: %s: %s", type(exc).__name__, exc)
         ray.shutdown()
 
     def clock_report(self) -> list[dict[str, Any]]:
