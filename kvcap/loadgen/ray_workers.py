@@ -47,16 +47,36 @@ def import_ray() -> Any:
     return ray
 
 
+GRPC_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+"""HTTP/2's client preface and an empty SETTINGS frame: a Ray head (its GCS is a gRPC server) answers with its own
+SETTINGS frame at once; anything else listening there (a web server, a closed door) does not."""
+SETTINGS_FRAME = 0x04
+
+
 def ray_head_refusal(address: str, timeout_s: float = 5.0) -> str | None:
     """Why a HOST:PORT Ray head does not answer (None when it does, or for ``auto`` and ``ray://``, left to Ray):
-    one line now instead of ``ray.init``'s minutes of retries. ``bench --ray`` and ``search --ray`` both ask."""
+    one line now instead of ``ray.init``'s minutes of retries against a port where nothing, or something else than
+    a Ray head, listens. ``bench --ray`` and ``search --ray`` both ask."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "://" in address:
         return None
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(GRPC_HELLO)
+            head = b""
+            while len(head) < 4:
+                more = conn.recv(9 - len(head))
+                if not more:
+                    break
+                head += more
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
     except OSError as exc:
         return str(exc.strerror or exc)
+    if len(head) < 4 or head[3] != SETTINGS_FRAME:
+        log.debug("%s answered %r to an HTTP/2 preface", address, head[:9])
+        return "something listens there, but not a Ray head (no gRPC answer)"
     return None
 
 
@@ -215,8 +235,9 @@ class RayPool:
         reachable(self.address)
         try:
             ray.init(address=self.address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
-        except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise InputError(f"--ray {self.address}: cannot connect to the Ray cluster ({exc})") from None
+        except (ConnectionError, ValueError, RuntimeError) as exc:  # as search --ray: exit 1, one line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EndpointError(f"cannot join the Ray cluster at {self.address}: {first}") from None
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
