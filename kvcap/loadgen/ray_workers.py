@@ -4,7 +4,8 @@ Each actor is one worker of ``--workers``: its own event loop (an async actor), 
 of every level exactly as a local worker process takes it (kvcap.loadgen.share). The driver starts each level on
 all actors together and keeps one call open per actor that returns as soon as the actor has news (records,
 level lines, requests started; at the latest after ``DRAIN_S``), so what an actor finished reaches the driver, and
-the one run directory, a round trip later rather than at the next poll. Each actor times with its own monotonic clock; the driver maps it onto its own axis by an
+the one run directory, a round trip later rather than at the next poll. Each actor times with its own monotonic
+clock; the driver maps it onto its own axis by an
 offset measured by pings at the start and at the end (``offset = worker − (t0 + t1) / 2``, ± ``(t1 − t0) / 2``).
 A worker whose node is lost ends the run for that worker only: the records it streamed up to its loss are kept,
 its requests in flight are written as ``cancelled`` with the reason, and the summary names it (``lost_workers``).
@@ -13,6 +14,7 @@ its requests in flight are written as ``cancelled`` with the reason, and the sum
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -198,10 +200,9 @@ class BenchWorker:
         there are any, else as soon as there are, or empty after ``wait_s``."""
         if wait_s > 0 and not (self.records or self.levels or self.inflight.keys() - self.reported):
             self.news.clear()
-            try:
+            # nothing new in wait_s: an empty answer lets the driver look at the level's state
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.news.wait(), wait_s)
-            except asyncio.TimeoutError:
-                pass  # nothing new in wait_s: an empty answer lets the driver look at the level's state
         records, levels = self.records, self.levels
         self.records, self.levels = [], []
         started = [rec for key, rec in self.inflight.items() if key not in self.reported]
