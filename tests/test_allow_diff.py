@@ -56,9 +56,11 @@ PAIRS: dict[str, tuple[dict[str, str | None], dict[str, str | None]]] = {
 }
 NO_FLAG = {"target.url", "server.engine", "server.version", "client.host"}
 """Fixed keys no bench flag sets (the URL is not a fixed variable: two arms are two servers)."""
-DERIVED_ONLY = {"workload.prompt_set", "workload.input_tokens_measured", "load.trace_requests", "load.trace"}
+DERIVED_ONLY = {"workload.prompt_set", "workload.input_tokens_measured", "load.trace_requests", "load.trace",
+                "workload.dataset_sha256"}
 """Fixed keys that only follow others: the prompt set and measured lengths move with input_tokens, dataset, prefix
-and seed; the trace's row count with its rows; its one level (``load.trace``) is its speed."""
+and seed; the trace's row count with its rows; its one level (``load.trace``) is its speed; the dataset's digest
+with its file."""
 
 
 class Runs:
@@ -152,3 +154,49 @@ def test_measured_lengths_are_equal_within_5_percent():
 
     assert diffs(100.0, 104.9) == [] and diffs(100.0, None) == []
     assert diffs(100.0, 105.3) == [{"key": MEASURED_INPUT, "control": 100.0, "treatment": 105.3, "tolerance": 0.05}]
+
+
+def test_a_dataset_is_compared_by_its_content_not_its_path(runs, capsys):
+    """The same file at two paths: same caliber. Another file at the same path: a difference, by its digest."""
+    import hashlib
+    import shutil
+
+    original = Path(runs.files["dataset"])
+    copy = original.with_name("copy-of-data.jsonl")
+    shutil.copyfile(original, copy)
+    a = runs.get({**BASE, "--dataset": "@dataset"})
+    b = runs.get({**BASE, "--dataset": str(copy)})
+    fa, fb = RunDir(a).manifest["fixed"], RunDir(b).manifest["fixed"]
+    assert fa["workload.dataset"] != fb["workload.dataset"]
+    assert fa["workload.dataset_sha256"] == fb["workload.dataset_sha256"] == hashlib.sha256(
+        original.read_bytes()).hexdigest()
+    assert compare(a, b) == 0
+    capsys.readouterr()
+
+    edited = original.with_name("edited-data.jsonl")
+    shutil.copyfile(original, edited)
+    c = runs.get({**BASE, "--dataset": str(edited)})
+    edited.write_text(edited.read_text().replace("row 3", "row 33"))
+    d = runs.root / "edited-again"
+    assert main(["bench", "--url", runs.url, *(x for kv in BASE.items() for x in kv), "--dataset", str(edited),
+                 "--out", str(d), "--quiet", "--json"]) == 0
+    fc, fd = RunDir(c).manifest["fixed"], RunDir(str(d)).manifest["fixed"]
+    assert fc["workload.dataset"] == fd["workload.dataset"] == str(edited)
+    assert fd["workload.dataset_sha256"] == hashlib.sha256(edited.read_bytes()).hexdigest()
+    assert compare(c, str(d)) == 3
+    assert "workload.dataset_sha256" in capsys.readouterr().err
+    assert compare(c, str(d), "workload.dataset") == 0  # allowing the dataset allows its content to differ
+    allowed = json.loads(capsys.readouterr().out)["fixed_variables"]["allowed_differences"]
+    assert "workload.dataset_sha256" in {x["key"] for x in allowed}
+
+
+def test_a_run_without_the_digest_is_compared_by_its_path():
+    from kvcap.analysis.verdict import same_caliber
+
+    old = {"fixed": {"workload.dataset": "d.jsonl"}}  # a run from before the digest was recorded
+    new = {"fixed": {"workload.dataset": "d.jsonl", "workload.dataset_sha256": "ab"}}
+    assert same_caliber(old, new, set())["equal"] is True
+    moved = {"fixed": {"workload.dataset": "e.jsonl", "workload.dataset_sha256": "ab"}}
+    assert same_caliber(old, moved, set())["differences"] == [
+        {"key": "workload.dataset", "control": "d.jsonl", "treatment": "e.jsonl"}]
+    assert same_caliber(new, moved, set())["equal"] is True

@@ -42,6 +42,7 @@ DERIVED: dict[str, tuple[str, ...]] = {
     "load.trace": ("load.mode", "load.trace_speed"),  # the trace mode's one level is its speed
     "load.trace_speed": ("load.mode",), "load.trace_rows": ("load.mode",),
     "load.trace_requests": ("load.mode", "load.trace_rows"),
+    "workload.dataset_sha256": ("workload.dataset",),
 }
 """Keys that follow others: a difference in one is accepted when a key it derives from differs and is accepted
 (allowed or under test), so ``--allow-diff workload.input_tokens`` also accepts the prompt set and the measured
@@ -51,7 +52,15 @@ WITHIN_TOLERANCE = {"workload.input_tokens_measured", MEASURED_INPUT}
 difference (the other measured key still speaks)."""
 
 
+CONTENT_DIGEST = {"workload.dataset": "workload.dataset_sha256"}
+"""A file's key and the key of its content's SHA-256: where both runs recorded the digest, it decides (the same file
+at two paths is no difference; another file at the same path is, under the digest's key). A run without it (older
+kvcap) is compared by the path."""
+
+
 def _same(key: str, a: Any, b: Any) -> bool:
+    if key in CONTENT_DIGEST.values():  # unknown on one side: the path decides
+        return a is None or b is None or a == b
     if key in WITHIN_TOLERANCE:
         return a is None or b is None or relative_gap(float(a), float(b)) <= TOLERANCE
     return a == b
@@ -67,15 +76,24 @@ def same_caliber(control: dict[str, Any], treatment: dict[str, Any], allow: set[
     under_test = set(control.get("under_test") or []) | set(treatment.get("under_test") or [])
     accepted = allow | under_test
 
+    def by_digest(key: str) -> bool:
+        digest = CONTENT_DIGEST.get(key)
+        return digest is not None and fc.get(digest) is not None and ft.get(digest) is not None
+
+    def differs(key: str) -> bool:
+        if by_digest(key):
+            return fc[CONTENT_DIGEST[key]] != ft[CONTENT_DIGEST[key]]
+        return not _same(key, fc.get(key), ft.get(key))
+
     def tolerated(key: str) -> bool:
-        return key in accepted or any(fc.get(src) != ft.get(src) and tolerated(src) for src in DERIVED.get(key, ()))
+        return key in accepted or any(differs(src) and tolerated(src) for src in DERIVED.get(key, ()))
 
     diffs, allowed = [], []
     for key in sorted(set(fc) | set(ft)):
-        if key in NOT_FIXED:
+        if key in NOT_FIXED or by_digest(key):  # a file with digests on both sides: its digest key says it
             continue
         a, b = fc.get(key), ft.get(key)
-        if not _same(key, a, b):
+        if differs(key):
             item: dict[str, Any] = {"key": key, "control": a, "treatment": b}
             if key in WITHIN_TOLERANCE:
                 item["tolerance"] = TOLERANCE

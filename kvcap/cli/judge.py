@@ -59,6 +59,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     for key in KEPT_SUMMARY_KEYS:
         if key in old:
             summary[key] = old[key]
+    common.carry_outcome(summary, run)  # a killed run (no old summary): its level lines say how it ended
     fresh = summary.get("warnings") or []  # the run's own (e.g. Ray clock offsets) stay beside the recomputed
     summary["warnings"] = [*fresh, *(w for w in old.get("warnings") or [] if w not in fresh)]
     write_json_atomic(run.dir / SUMMARY, summary)

@@ -87,3 +87,20 @@ def value_text(v: Any) -> str:
 def pair(v: Any) -> list[Any]:
     """A compare's ``[control, treatment]`` value, padded with None (anything not a list → two Nones)."""
     return list(v) + [None] * (2 - len(v)) if isinstance(v, list) else [None, None]
+
+
+INTERRUPTED = "interrupted: the summary covers the requests that finished"
+
+
+def run_notes(summary: dict[str, Any]) -> list[str]:
+    """A run's own warnings and how it ended early — failed or stopped by the error rule, interrupted — one line
+    each, as the reports list them beside the client's warnings; empty for a run that ended well."""
+    notes = [str(w) for w in summary.get("warnings") or []]
+    stopped = summary.get("stopped")
+    if summary.get("failed"):
+        notes.append(f"run failed: {summary['failed']}")
+    elif isinstance(stopped, dict):
+        notes.append(f"run stopped: {stopped.get('reason')}")
+    if summary.get("interrupted"):
+        notes.append(INTERRUPTED)
+    return notes

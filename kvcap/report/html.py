@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcap.report.data import Arm, arm_summaries, coerce_runs
-from kvcap.report.format import ARMS, VERDICT_MEANING, esc
+from kvcap.report.format import ARMS, VERDICT_MEANING, esc, run_notes
 from kvcap.report.plots import level_plots, node_charts, time_series
 from kvcap.report.tables import (
     findings,
@@ -164,6 +164,7 @@ def render_html(result: dict[str, Any], runs: dict[str, RunDir] | None = None, t
     for arm in ARMS:
         for w in (summaries[arm].get("client") or {}).get("warnings", []) or []:
             warnings.append(f"{arm}: {w}")
+        warnings += [f"{arm}: {note}" for note in run_notes(summaries[arm])]
     body = [
         _verdict_box(result),
         '<h2 id="capacity">Capacity and goodput</h2>', key_numbers(result, labels),
@@ -186,9 +187,7 @@ def render_html_single(summary: dict[str, Any], run: RunDir | None = None, title
     manifest = run.manifest if run is not None else {}
     label = str(summary.get("arm") or manifest.get("arm") or "run")
     arm = Arm(label, SINGLE_COLOUR, summary, run)
-    warnings = list((summary.get("client") or {}).get("warnings") or [])
-    if summary.get("interrupted"):
-        warnings.append("interrupted: the summary covers the requests that finished")
+    warnings = [*((summary.get("client") or {}).get("warnings") or []), *run_notes(summary)]
     body = [
         '<h2 id="capacity">Capacity and goodput</h2>', single_key_numbers(summary),
         *_evidence([arm], summary.get("slo") or {},

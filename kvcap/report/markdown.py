@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcap.analysis.slo import format_slo
-from kvcap.report.format import ARMS, VERDICT_MEANING, fmt, fmtm, level_name, pair
+from kvcap.report.format import ARMS, VERDICT_MEANING, fmt, fmtm, level_name, pair, run_notes
 
 
 def md_escape(value: Any) -> str:
@@ -104,7 +104,9 @@ def render_markdown(result: dict[str, Any]) -> str:
                              "TTFT p95 C ms", "TTFT p95 T ms", "TPOT p95 C ms", "TPOT p95 T ms", "SLO C", "SLO T"],
                             rows, right=[False] + [True] * 9 + [False, False])]
     out += _bullets("Diagnosis", list(result.get("diagnosis") or []))
-    out += _bullets("Warnings", list(result.get("warnings") or []))
+    summaries = result.get("summaries") or {}
+    out += _bullets("Warnings", [*(result.get("warnings") or []),
+                                 *(f"{arm}: {note}" for arm in ARMS for note in run_notes(summaries.get(arm) or {}))])
     return "\n".join(out) + "\n"
 
 
@@ -132,5 +134,5 @@ def render_markdown_single(summary: dict[str, Any]) -> str:
         out += ["", *_table(["level", "tok/s", "goodput", "TTFT p95 ms", "TPOT p95 ms", "SLO"], rows,
                             right=[False, True, True, True, True, False])]
     out += _bullets("Diagnosis", list(summary.get("diagnosis") or []))
-    out += _bullets("Warnings", list((summary.get("client") or {}).get("warnings") or []))
+    out += _bullets("Warnings", [*((summary.get("client") or {}).get("warnings") or []), *run_notes(summary)])
     return "\n".join(out) + "\n"
