@@ -18,8 +18,10 @@ from kvcap.analysis.columns import Key, Window
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
 from kvcap.analysis.level_blocks import Level
-from kvcap.analysis.summary import build_summary
+from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
+from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.summary import LevelSummary, Summary
 
 NOT_FIXED = {"target.url"}
 """Keys that are expected to differ between arms (two servers) and are not fixed variables."""
@@ -57,14 +59,16 @@ def _same(key: str, a: Any, b: Any) -> bool:
     return a == b
 
 
-def same_caliber(control: dict[str, Any], treatment: dict[str, Any], allow: set[str],
+def same_caliber(control: Manifest | None, treatment: Manifest | None, allow: set[str],
                  measured: Mapping[str, tuple[Any, Any]] | None = None) -> dict[str, Any]:
     """Every fixed variable must match except those under test or explicitly allowed, and the keys derived from
     those (:data:`DERIVED`); ``measured`` adds figures from the records, ``{key: (control, treatment)}``."""
-    fc, ft = dict(control.get("fixed") or {}), dict(treatment.get("fixed") or {})
+    fc = dict(control.fixed) if control is not None else {}
+    ft = dict(treatment.fixed) if treatment is not None else {}
     for key, (a, b) in (measured or {}).items():
         fc[key], ft[key] = a, b
-    under_test = set(control.get("under_test") or []) | set(treatment.get("under_test") or [])
+    under_test = (set(control.under_test if control is not None else [])
+                  | set(treatment.under_test if treatment is not None else []))
     accepted = allow | under_test
 
     def tolerated(key: str) -> bool:
@@ -84,12 +88,13 @@ def same_caliber(control: dict[str, Any], treatment: dict[str, Any], allow: set[
             "under_test": sorted(under_test)}
 
 
-def input_lengths(manifest: Mapping[str, Any], summary: Mapping[str, Any]) -> dict[str, Any]:
+def input_lengths(manifest: Manifest | None, summary: Summary) -> dict[str, Any]:
     """One arm's input lengths: asked (mean of the spec), measured before the run (manifest) and by its records."""
-    fixed = manifest.get("fixed") or {}
+    fixed = manifest.fixed if manifest is not None else {}
+    server = manifest.server if manifest is not None else {}
     return {"asked_mean": asked_mean(manifest), "calibrated_mean": fixed.get("workload.input_tokens_measured"),
-            "records_mean": levels_input_mean(summary.get("levels") or []),
-            "method": ((manifest.get("server") or {}).get("input_lengths") or {}).get("method")}
+            "records_mean": levels_input_mean(summary.levels),
+            "method": (server.get("input_lengths") or {}).get("method")}
 
 
 class _KeptColumns:
@@ -150,7 +155,7 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
             allow: set[str] | None = None, seed: int = 0) -> dict[str, Any]:
     rc, rt = RunDir(control_dir), RunDir(treatment_dir)
     mc, mt = rc.manifest, rt.manifest
-    slo = slo if slo is not None else (mc.get("slo") or mt.get("slo") or {})
+    slo = slo if slo is not None else (rc.slo or rt.slo)
     kc, kt = _KeptColumns(), _KeptColumns()
     sc, st = build_summary(rc, slo, reader=kc), build_summary(rt, slo, reader=kt)
     lengths = {"control": input_lengths(mc, sc), "treatment": input_lengths(mt, st)}
@@ -160,13 +165,13 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     gc, gt = _good_tokens(kc, slo), _good_tokens(kt, slo)
     arms = {}
     for name, summ in (("control", sc), ("treatment", st)):
-        cap = summ["capacity"]
-        best = max(summ["levels"], key=lambda lv: lv["goodput_tok_s"], default=None)
-        arms[name] = {"effective": cap["effective"], "resident": cap["resident"],
-                      "resident_source": cap["resident_source"], "stress_limit": cap["stress_limit"],
-                      "goodput_tok_s": best["goodput_tok_s"] if best else 0.0,
-                      "goodput_level": best["level"] if best else None, "limited_by": cap["limited_by"],
-                      "arm": summ.get("arm") or name}
+        cap = summ.capacity
+        best = best_goodput_level(summ.levels)
+        arms[name] = {"effective": cap.effective, "resident": cap.resident,
+                      "resident_source": cap.resident_source, "stress_limit": cap.stress_limit,
+                      "goodput_tok_s": best.goodput_tok_s if best else 0.0,
+                      "goodput_level": best.level if best else None, "limited_by": cap.limited_by,
+                      "arm": summ.arm or name}
     # noise of the best-goodput difference
     lc, lt = arms["control"]["goodput_level"], arms["treatment"]["goodput_level"]
     bc = _boot(gc.get(float(lc), [np.zeros(1)]), rng) if lc is not None else np.zeros(BOOTSTRAP)
@@ -195,12 +200,13 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
             "goodput_gain": gain, "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths,
             "slo": slo,
             "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
-            "diagnosis": diagnose(sc, "control") + diagnose(st, "treatment"),
+            "diagnosis": [f.to_json() for f in diagnose(sc.levels, "control") + diagnose(st.levels, "treatment")],
             "summaries": {"control": sc, "treatment": st}}
 
 
 def decide(c: dict[str, Any], t: dict[str, Any], lo: float, hi: float) -> str:
-    """DESIGN.md's definitions, with 'beyond noise' = the 95% interval of the goodput difference excludes 0."""
+    """The verdicts as docs/run-directory.md defines them (compare.json), with 'beyond noise' = the 95% interval
+    of the goodput difference excludes 0."""
     ec, et = c["effective"] or 0, t["effective"] or 0
     if et < ec or hi < 0:
         return "regression"
@@ -211,37 +217,37 @@ def decide(c: dict[str, Any], t: dict[str, Any], lo: float, hi: float) -> str:
     return "no-gain"
 
 
-def _per_level(sc: dict[str, Any], st: dict[str, Any], gc: dict, gt: dict,
+def _per_level(sc: Summary, st: Summary, gc: dict[float, list[np.ndarray]], gt: dict[float, list[np.ndarray]],
                rng: np.random.Generator) -> list[dict[str, Any]]:
-    tl = {lv["level"]: lv for lv in st["levels"]}
+    tl = {lv.level: lv for lv in st.levels}
     out = []
-    for lc in sc["levels"]:
-        lt = tl.get(lc["level"])
+    for lc in sc.levels:
+        lt = tl.get(lc.level)
         if lt is None:
             continue
-        level = float(lc["level"])
+        level = float(lc.level)
         d = _boot(gt.get(level, [np.zeros(1)]), rng) - _boot(gc.get(level, [np.zeros(1)]), rng)
         lo, hi = np.percentile(d, [2.5, 97.5])
-        out.append({"level": lc["level"], "mode": lc["mode"],
-                    "output_tok_s": [lc["output_tok_s"], lt["output_tok_s"]],
-                    "goodput_tok_s": [lc["goodput_tok_s"], lt["goodput_tok_s"]],
+        out.append({"level": lc.level, "mode": lc.mode,
+                    "output_tok_s": [lc.output_tok_s, lt.output_tok_s],
+                    "goodput_tok_s": [lc.goodput_tok_s, lt.goodput_tok_s],
                     "goodput_delta_ci95": [round(float(lo), 3), round(float(hi), 3)],
-                    "ttft_p95_ms": [lc["ttft_ms"]["p95"], lt["ttft_ms"]["p95"]],
-                    "tpot_p95_ms": [lc["tpot_ms"]["p95"], lt["tpot_ms"]["p95"]],
-                    "slo_ok": [lc["slo_ok"], lt["slo_ok"]],
-                    "server_running_max": [lc.get("server_running_max"), lt.get("server_running_max")],
-                    "server_parked_max": [lc.get("server_parked_max"), lt.get("server_parked_max")]})
+                    "ttft_p95_ms": [lc.ttft_ms.p95, lt.ttft_ms.p95],
+                    "tpot_p95_ms": [lc.tpot_ms.p95, lt.tpot_ms.p95],
+                    "slo_ok": [lc.slo_ok, lt.slo_ok],
+                    "server_running_max": [lc.server_running_max, lt.server_running_max],
+                    "server_parked_max": [lc.server_parked_max, lt.server_parked_max]})
     return out
 
 
-def treatment_took_effect(sc: dict[str, Any], st: dict[str, Any]) -> bool | None:
+def treatment_took_effect(sc: Summary, st: Summary) -> bool | None:
     """True/False from server telemetry (more requests held — running, or parked in a tier — at the same level);
     None without telemetry."""
-    def held(lv: dict[str, Any]) -> float | None:
-        running = lv.get("server_running_max")
-        return None if running is None else running + (lv.get("server_parked_max") or 0)
+    def held(lv: LevelSummary) -> float | None:
+        running = lv.server_running_max
+        return None if running is None else running + (lv.server_parked_max or 0)
 
-    pairs = [(held(a), held(b)) for a in sc["levels"] for b in st["levels"] if a["level"] == b["level"]]
+    pairs = [(held(a), held(b)) for a in sc.levels for b in st.levels if a.level == b.level]
     pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
     if not pairs:
         return None
