@@ -45,7 +45,7 @@ def synth_run(out: Path, slots: int, arm: str, seed: int) -> Path:
     """A closed-loop run against a model server with ``slots`` decode slots, written as kvcap writes runs."""
     rng = random.Random(seed)
     w = RunWriter(out)
-    manifest = {"tool": "kvcap", "source": "bench", "arm": arm, "run_id": f"synth{seed}", "slo": SLO,
+    manifest = {"tool": "kvcap", "source": "bench", "arm": arm, "run_id": f"synth{seed}", "started_at": 0.0, "slo": SLO,
                 "server": {"models": [XSS_MODEL], "engine": "vllm"},
                 "fixed": {"target.url": f"http://127.0.0.1:{9000 + seed}/v1/completions",
                           "model.name": XSS_MODEL, "workload.prompt_set": "a|b", "workload.output_tokens": "20",

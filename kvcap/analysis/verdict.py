@@ -188,7 +188,7 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
         efficiency = round((arms["treatment"]["goodput_tok_s"] / arms["control"]["goodput_tok_s"] - 1)
                            / (et / ec - 1), 4)
     warnings = []
-    took_effect = treatment_took_effect(sc, st)
+    took_effect = treatment_took_effect(sc.levels, st.levels)
     if took_effect is False:
         warnings.append("no server-side sign that the treatment took effect (no more requests running or parked)")
     elif took_effect is None:
@@ -240,14 +240,14 @@ def _per_level(sc: Summary, st: Summary, gc: dict[float, list[np.ndarray]], gt: 
     return out
 
 
-def treatment_took_effect(sc: Summary, st: Summary) -> bool | None:
+def treatment_took_effect(control: list[LevelSummary], treatment: list[LevelSummary]) -> bool | None:
     """True/False from server telemetry (more requests held — running, or parked in a tier — at the same level);
     None without telemetry."""
     def held(lv: LevelSummary) -> float | None:
         running = lv.server_running_max
         return None if running is None else running + (lv.server_parked_max or 0)
 
-    pairs = [(held(a), held(b)) for a in sc.levels for b in st.levels if a.level == b.level]
+    pairs = [(held(a), held(b)) for a in control for b in treatment if a.level == b.level]
     pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
     if not pairs:
         return None
