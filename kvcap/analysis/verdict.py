@@ -20,6 +20,7 @@ from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, rel
 from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
+from kvcap.rundir.compare import Comparison
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.summary import LevelSummary, Summary
 
@@ -153,6 +154,8 @@ def _boot(samples: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
 
 def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None = None,
             allow: set[str] | None = None, seed: int = 0) -> dict[str, Any]:
+    """``compare.json``'s content (checked against :class:`~kvcap.rundir.compare.Comparison`) and, under
+    ``summaries``, the two arms' :class:`~kvcap.rundir.summary.Summary` (for the reports)."""
     rc, rt = RunDir(control_dir), RunDir(treatment_dir)
     mc, mt = rc.manifest, rt.manifest
     slo = slo if slo is not None else (rc.slo or rt.slo)
@@ -196,12 +199,12 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
                         "took effect")
     if not caliber["equal"]:
         warnings.append("fixed variables differ: " + ", ".join(d["key"] for d in caliber["differences"]))
-    return {"verdict": verdict, "control": arms["control"], "treatment": arms["treatment"],
-            "goodput_gain": gain, "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths,
-            "slo": slo,
-            "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
-            "diagnosis": [f.to_json() for f in diagnose(sc.levels, "control") + diagnose(st.levels, "treatment")],
-            "summaries": {"control": sc, "treatment": st}}
+    comparison = Comparison.model_validate({
+        "verdict": verdict, "control": arms["control"], "treatment": arms["treatment"], "goodput_gain": gain,
+        "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths, "slo": slo,
+        "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
+        "diagnosis": diagnose(sc.levels, "control") + diagnose(st.levels, "treatment")})
+    return {**comparison.to_json(), "summaries": {"control": sc, "treatment": st}}
 
 
 def decide(c: dict[str, Any], t: dict[str, Any], lo: float, hi: float) -> str:
