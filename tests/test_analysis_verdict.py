@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from kvcap.analysis.verdict import BOOT_EXACT_MAX, _boot, decide, same_caliber, treatment_took_effect
+from kvcap.rundir.compare import ArmResult
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.summary import LevelSummary
 
 
-def arm(effective: float | None, resident: int | None) -> dict:
-    return {"effective": effective, "resident": resident}
+def arm(effective: float | None, resident: int | None) -> ArmResult:
+    return ArmResult(effective=effective, resident=resident, resident_source=None, stress_limit=None,
+                     goodput_tok_s=0.0, goodput_level=None, limited_by=None, arm="a")
 
 
 @pytest.mark.parametrize(("control", "treatment", "ci", "verdict"), [

@@ -14,16 +14,18 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.column_reader import read_columns
-from kvcap.analysis.columns import Key, Window
+from kvcap.analysis.columns import Key
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
 from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
-from kvcap.rundir.compare import Comparison
+from kvcap.rundir.compare import ArmResult, Comparison, GoodputGain
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.summary import LevelSummary, Summary
 
+Window = tuple[float, float]
+"""A measured window (run seconds)."""
 NOT_FIXED = {"target.url"}
 """Keys that are expected to differ between arms (two servers) and are not fixed variables."""
 BOOTSTRAP = 400
@@ -57,7 +59,7 @@ difference (the other measured key still speaks)."""
 def _same(key: str, a: Any, b: Any) -> bool:
     if key in WITHIN_TOLERANCE:
         return a is None or b is None or relative_gap(float(a), float(b)) <= TOLERANCE
-    return a == b
+    return bool(a == b)
 
 
 def same_caliber(control: Manifest | None, treatment: Manifest | None, allow: set[str],
@@ -75,7 +77,8 @@ def same_caliber(control: Manifest | None, treatment: Manifest | None, allow: se
     def tolerated(key: str) -> bool:
         return key in accepted or any(fc.get(src) != ft.get(src) and tolerated(src) for src in DERIVED.get(key, ()))
 
-    diffs, allowed = [], []
+    diffs: list[dict[str, Any]] = []
+    allowed: list[dict[str, Any]] = []
     for key in sorted(set(fc) | set(ft)):
         if key in NOT_FIXED:
             continue
@@ -148,8 +151,10 @@ def _boot(samples: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
     stacked = np.vstack(draws)
     if stacked.shape[0] > 1:  # resample repeats too
         pick = rng.integers(0, stacked.shape[0], size=(BOOTSTRAP, stacked.shape[0]))
-        return np.median(np.take_along_axis(stacked.T, pick, axis=1), axis=1)
-    return stacked[0]
+        medians: np.ndarray = np.median(np.take_along_axis(stacked.T, pick, axis=1), axis=1)
+        return medians
+    first: np.ndarray = stacked[0]
+    return first
 
 
 def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None = None,
@@ -166,30 +171,29 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
         MEASURED_INPUT: (lengths["control"]["records_mean"], lengths["treatment"]["records_mean"])})
     rng = np.random.default_rng(seed)
     gc, gt = _good_tokens(kc, slo), _good_tokens(kt, slo)
-    arms = {}
+    arms: dict[str, ArmResult] = {}
     for name, summ in (("control", sc), ("treatment", st)):
         cap = summ.capacity
         best = best_goodput_level(summ.levels)
-        arms[name] = {"effective": cap.effective, "resident": cap.resident,
-                      "resident_source": cap.resident_source, "stress_limit": cap.stress_limit,
-                      "goodput_tok_s": best.goodput_tok_s if best else 0.0,
-                      "goodput_level": best.level if best else None, "limited_by": cap.limited_by,
-                      "arm": summ.arm or name}
+        arms[name] = ArmResult(effective=cap.effective, resident=cap.resident, resident_source=cap.resident_source,
+                               stress_limit=cap.stress_limit, goodput_tok_s=best.goodput_tok_s if best else 0.0,
+                               goodput_level=best.level if best else None, limited_by=cap.limited_by,
+                               arm=summ.arm or name)
+    control, treatment = arms["control"], arms["treatment"]
     # noise of the best-goodput difference
-    lc, lt = arms["control"]["goodput_level"], arms["treatment"]["goodput_level"]
+    lc, lt = control.goodput_level, treatment.goodput_level
     bc = _boot(gc.get(float(lc), [np.zeros(1)]), rng) if lc is not None else np.zeros(BOOTSTRAP)
     bt = _boot(gt.get(float(lt), [np.zeros(1)]), rng) if lt is not None else np.zeros(BOOTSTRAP)
     diff = bt - bc
     lo, hi = (float(x) for x in np.percentile(diff, [2.5, 97.5]))
-    gain = {"delta_tok_s": round(arms["treatment"]["goodput_tok_s"] - arms["control"]["goodput_tok_s"], 3),
-            "ci95": [round(lo, 3), round(hi, 3)], "beyond_noise": lo > 0 or hi < 0}
+    gain = GoodputGain(delta_tok_s=round(treatment.goodput_tok_s - control.goodput_tok_s, 3),
+                       ci95=[round(lo, 3), round(hi, 3)], beyond_noise=lo > 0 or hi < 0)
     per_level = _per_level(sc, st, gc, gt, rng)
-    verdict = decide(arms["control"], arms["treatment"], lo, hi)
-    ec, et = arms["control"]["effective"], arms["treatment"]["effective"]
+    verdict = decide(control, treatment, lo, hi)
+    ec, et = control.effective, treatment.effective
     efficiency = None
-    if ec and et and ec != et and arms["control"]["goodput_tok_s"] > 0:
-        efficiency = round((arms["treatment"]["goodput_tok_s"] / arms["control"]["goodput_tok_s"] - 1)
-                           / (et / ec - 1), 4)
+    if ec and et and ec != et and control.goodput_tok_s > 0:
+        efficiency = round((treatment.goodput_tok_s / control.goodput_tok_s - 1) / (et / ec - 1), 4)
     warnings = []
     took_effect = treatment_took_effect(sc.levels, st.levels)
     if took_effect is False:
@@ -200,22 +204,22 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     if not caliber["equal"]:
         warnings.append("fixed variables differ: " + ", ".join(d["key"] for d in caliber["differences"]))
     comparison = Comparison.model_validate({
-        "verdict": verdict, "control": arms["control"], "treatment": arms["treatment"], "goodput_gain": gain,
+        "verdict": verdict, "control": control, "treatment": treatment, "goodput_gain": gain,
         "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths, "slo": slo,
         "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
         "diagnosis": diagnose(sc.levels, "control") + diagnose(st.levels, "treatment")})
     return {**comparison.to_json(), "summaries": {"control": sc, "treatment": st}}
 
 
-def decide(c: dict[str, Any], t: dict[str, Any], lo: float, hi: float) -> str:
+def decide(c: ArmResult, t: ArmResult, lo: float, hi: float) -> str:
     """The verdicts as docs/run-directory.md defines them (compare.json), with 'beyond noise' = the 95% interval
     of the goodput difference excludes 0."""
-    ec, et = c["effective"] or 0, t["effective"] or 0
+    ec, et = c.effective or 0, t.effective or 0
     if et < ec or hi < 0:
         return "regression"
     if et > ec and lo > 0:
         return "performance-scaling"
-    if (t["resident"] or 0) > (c["resident"] or 0):
+    if (t.resident or 0) > (c.resident or 0):
         return "capacity-only"
     return "no-gain"
 
@@ -250,8 +254,8 @@ def treatment_took_effect(control: list[LevelSummary], treatment: list[LevelSumm
         running = lv.server_running_max
         return None if running is None else running + (lv.server_parked_max or 0)
 
-    pairs = [(held(a), held(b)) for a in control for b in treatment if a.level == b.level]
-    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    pairs = [(x, y) for a in control for b in treatment if a.level == b.level
+             and (x := held(a)) is not None and (y := held(b)) is not None]
     if not pairs:
         return None
     return any(b > a for a, b in pairs)

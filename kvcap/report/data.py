@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcap.analysis.summary import build_summary
-from kvcap.analysis.telemetry import read_telemetry, series
+from kvcap.analysis.telemetry import Telemetry, read_telemetry, series
 from kvcap.report.charts import thin
 from kvcap.report.format import ARMS, is_finite
 from kvcap.rundir import RunDir
@@ -112,7 +112,7 @@ def level_values(arms: Sequence[Arm], mode: str) -> list[float]:
     return sorted({float(lv["level"]) for a in arms for lv in mode_levels(a.summary, mode)})
 
 
-def telemetry_series(rows: Rows, name: str, node: str | None = None) -> list[tuple[float, float]]:
+def telemetry_series(rows: Telemetry | Rows, name: str, node: str | None = None) -> list[tuple[float, float]]:
     """The analysis' series of ``name`` (summed, averaged or maximised over labels as the analysis does),
     thinned to at most ``MAX_POINTS`` for plotting."""
     return thin(series(rows, name, node=node))
@@ -131,7 +131,7 @@ def level_windows(levels: Iterable[LevelRow]) -> Rows:
     return sorted(merged.values(), key=lambda m: m.get("t_start_s", m.get("measure_start_s", 0.0)))
 
 
-def run_telemetry(run: RunDir | None) -> tuple[Rows, Rows] | None:
+def run_telemetry(run: RunDir | None) -> tuple[Telemetry, Rows] | None:
     """A run's telemetry rows (one source kind per metric) and its level windows; None without a run directory
     or when its files cannot be read."""
     if run is None:

@@ -13,7 +13,7 @@ import gc
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
@@ -183,7 +183,7 @@ class RunWriter:
             for g in self._files.values():
                 g.flush()
 
-    def _append(self, name: str, obj: dict[str, Any]) -> None:
+    def _append(self, name: str, obj: Mapping[str, Any]) -> None:
         f = self._file(name)
         f.write(_line(obj))
         self._flush(f)
