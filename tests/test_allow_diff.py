@@ -113,7 +113,7 @@ def compare(a: str, b: str, *allow: str) -> int:
 def test_allow_diff_accepts_exactly_the_key(runs, key, capsys):
     base, change = PAIRS[key]
     a, b = runs.get(base), runs.get({**base, **change})
-    fa, fb = RunDir(a).manifest["fixed"], RunDir(b).manifest["fixed"]
+    fa, fb = RunDir(a).manifest.fixed, RunDir(b).manifest.fixed
     assert fa.get(key) != fb.get(key), (key, fa.get(key))  # the flag does change that key
     assert compare(a, b) == 3
     assert key in capsys.readouterr().err
@@ -124,7 +124,7 @@ def test_allow_diff_accepts_exactly_the_key(runs, key, capsys):
 
 def test_every_fixed_key_a_flag_changes_is_covered(runs):
     dirs = {d for base, change in PAIRS.values() for d in (runs.get(base), runs.get({**base, **change}))}
-    seen = set().union(*(RunDir(d).manifest["fixed"] for d in dirs))
+    seen = set().union(*(RunDir(d).manifest.fixed for d in dirs))
     assert seen - NO_FLAG - DERIVED_ONLY - set(PAIRS) == set()
 
 
@@ -136,13 +136,16 @@ def test_the_key_under_test_needs_no_allow(runs):
 
 def test_a_derived_key_follows_only_a_source_that_differs():
     from kvcap.analysis.verdict import same_caliber
+    from kvcap.rundir import Manifest
 
-    a = {"fixed": {"workload.input_tokens": "16", "workload.prompt_set": "p1"}}
-    b = {"fixed": {"workload.input_tokens": "16", "workload.prompt_set": "p2"}}
+    a = Manifest(source="bench", run_id="a", started_at=0.0,
+                 fixed={"workload.input_tokens": "16", "workload.prompt_set": "p1"})
+    b = Manifest(source="bench", run_id="b", started_at=0.0,
+                 fixed={"workload.input_tokens": "16", "workload.prompt_set": "p2"})
     # the asked length is allowed but equal: the prompt sets differ for another reason, which is not allowed
     assert same_caliber(a, b, {"workload.input_tokens"})["differences"] == [
         {"key": "workload.prompt_set", "control": "p1", "treatment": "p2"}]
-    b["fixed"]["workload.input_tokens"] = "20"
+    b.fixed["workload.input_tokens"] = "20"
     assert same_caliber(a, b, {"workload.input_tokens"})["equal"] is True
 
 
@@ -150,7 +153,7 @@ def test_measured_lengths_are_equal_within_5_percent():
     from kvcap.analysis.verdict import MEASURED_INPUT, same_caliber
 
     def diffs(x: float | None, y: float | None) -> list[dict]:
-        return same_caliber({}, {}, set(), measured={MEASURED_INPUT: (x, y)})["differences"]
+        return same_caliber(None, None, set(), measured={MEASURED_INPUT: (x, y)})["differences"]
 
     assert diffs(100.0, 104.9) == [] and diffs(100.0, None) == []
     assert diffs(100.0, 105.3) == [{"key": MEASURED_INPUT, "control": 100.0, "treatment": 105.3, "tolerance": 0.05}]

@@ -92,15 +92,17 @@ def test_two_nodes_match_one_process(cluster, server, tmp_path):
     for summary in (ray_summary, one):
         assert 10.0 <= summary["levels"][0]["ttft_ms"]["p50"] <= 20.0 + 5.0
     # both nodes share this host's monotonic clock: the true offset is 0, so it must lie within the uncertainty
-    clock = run.manifest["clock"]["workers"]
+    clock = run.manifest.clock["workers"]
     assert [c["worker"] for c in clock] == [0, 1]
     for c in clock:
         for end in ("start", "end"):
             assert abs(c[end]["offset_s"]) <= c[end]["uncertainty_s"] + 1e-6, c
     (level,) = run.levels()
-    assert level["workers"] == 2 and {w["worker"] for w in level["client"]["per_worker"]} == {0, 1}
-    assert all("loop_lag_p99_ms" in w and "cpu_fraction" in w for w in level["client"]["per_worker"])
-    assert all(level["t_start_s"] - 0.05 <= r["start_s"] <= level["t_end_s"] for r in recs)
+    per_worker = level.client.per_worker or []
+    assert level.workers == 2 and {w["worker"] for w in per_worker} == {0, 1}
+    assert all("loop_lag_p99_ms" in w and "cpu_fraction" in w for w in per_worker)
+    assert level.t_start_s is not None and level.t_end_s is not None
+    assert all(level.t_start_s - 0.05 <= r["start_s"] <= level.t_end_s for r in recs)
     assert ray_summary["lost_workers"] == []
 
 

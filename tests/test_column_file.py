@@ -30,7 +30,7 @@ _, TEL_INDEX = column_file.copy_paths(Path(TELEMETRY))
 
 def _summary(out: Path) -> str:
     run = RunDir(out)
-    return json.dumps(build_summary(run, slo=run.manifest.get("slo") or {}), sort_keys=True)
+    return json.dumps(build_summary(run, slo=run.slo).to_json(), sort_keys=True)
 
 
 def _jsonl_summary(out: Path, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -331,7 +331,7 @@ def test_a_copy_that_cannot_be_written_costs_only_the_copy(tmp_path: Path, monke
 
     with monkeypatch.context() as m:
         m.setattr(column_file.np, "save", full)
-        got = build_summary(RunDir(out), slo=RunDir(out).manifest.get("slo") or {}, write_copies=True)
+        got = build_summary(RunDir(out), slo=RunDir(out).slo, write_copies=True).to_json()
     assert json.dumps(got, sort_keys=True) == truth
     assert not any((out / name).exists() for name in COLUMN_COPIES)
 
@@ -356,8 +356,7 @@ def test_copies_written_from_odd_files_read_back_as_parsed(tmp_path: Path, monke
         f.write("".join(json.dumps(r) + "\n" for r in rows))
     truth = _jsonl_summary(out, monkeypatch)
     run = RunDir(out)
-    assert json.dumps(build_summary(run, slo=run.manifest.get("slo") or {}, write_copies=True),
-                      sort_keys=True) == truth
+    assert json.dumps(build_summary(run, slo=run.slo, write_copies=True).to_json(), sort_keys=True) == truth
     assert all((out / name).exists() for name in COLUMN_COPIES)
     read = _reads_columns(monkeypatch)
     assert _summary(out) == truth

@@ -45,8 +45,8 @@ def _without_run_facts(summary: dict[str, Any]) -> str:
 
 def _summary(out: Path, **reader: Any) -> str:
     run = RunDir(out)
-    return _without_run_facts(build_summary(run, slo=run.manifest.get("slo") or {},
-                                            reader=partial(read_columns, **reader) if reader else None))
+    return _without_run_facts(build_summary(run, slo=run.slo,
+                                            reader=partial(read_columns, **reader) if reader else None).to_json())
 
 
 def _jsonl_only(out: Path, monkeypatch: pytest.MonkeyPatch, **reader: Any) -> str:
@@ -94,7 +94,7 @@ def test_a_long_level_waits_on_disk_a_block_at_a_time(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     run = RunDir(out)
     (lv,) = run.levels()
-    windows = {("concurrency", 8.0): {0: (lv["measure_start_s"], lv["measure_end_s"])}}
+    windows = {("concurrency", 8.0): {0: (lv.measure_start_s, lv.measure_end_s)}}
     level = read_columns(out / "requests.jsonl", windows, block_rows=50)[("concurrency", 8.0)]
     sizes = [block.n for block in level.blocks()]
     assert level.n == sum(sizes) == len(run.records()) and sizes[:-1] == [50] * (len(sizes) - 1) and sizes[-1] < 50

@@ -40,7 +40,7 @@ def long_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _summary(out: Path) -> str:
     run = RunDir(out)
-    return json.dumps(build_summary(run, slo=run.manifest.get("slo") or {}), sort_keys=True)
+    return json.dumps(build_summary(run, slo=run.slo).to_json(), sort_keys=True)
 
 
 def test_the_summary_is_the_whole_telemetrys_in_any_slices(long_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:

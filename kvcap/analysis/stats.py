@@ -160,7 +160,7 @@ def bootstrap_ci(a: LevelArrays, ok: np.ndarray, windows: dict[int, tuple[float,
         s.ask(_p95_interval_ranks(s.n))
         s.collect(values)
         samples.append(s)
-    return _p95_intervals(*samples, n_boot=n_boot, seed=seed)
+    return _p95_intervals(samples[0], samples[1], n_boot=n_boot, seed=seed)
 
 
 def _p95_interval_ranks(n: int) -> np.ndarray:

@@ -189,11 +189,11 @@ OUTCOME_KEYS = ("interrupted", "stopped", "failed")
 def carry_outcome(summary: dict[str, Any], run: Any) -> None:
     """Into a freshly built ``summary``: how ``run`` ended — from its summary.json where the recording command
     wrote one, else from its level lines (a killed run has no summary: each line says ``stopped``/``interrupted``)."""
-    old = run.summary or {}
+    old = run.summary.to_json() if run.summary is not None else {}
     if any(key in old for key in OUTCOME_KEYS):
         summary.update({key: old[key] for key in OUTCOME_KEYS if key in old})
         return
-    lines = run.levels()
+    lines = [line.to_json() for line in run.levels()]
     stopped = next((line["stopped"] for line in lines if line.get("stopped")), None)
     if any(line.get("interrupted") for line in lines):
         summary["interrupted"] = True

@@ -182,7 +182,7 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
         await session.close()
         prom = await _fetch_prometheus(cfg, writer, epoch_at_origin, started) if cfg.prometheus else {}
         writer.close()
-    summary = build_summary(RunDir(cfg.out), slo=cfg.slo, write_copies=True)
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo, write_copies=True).to_json()
     if prom:
         summary["prometheus"] = prom
     summary["interrupted"] = interrupted

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 ARMS = ("control", "treatment")
 """The two arms of a compare, in the order every report shows them."""
@@ -29,7 +29,7 @@ def esc(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def is_finite(v: Any) -> bool:
+def is_finite(v: Any) -> TypeGuard[float]:
     """A real number that can be plotted or printed as one (not a bool, not NaN or ±inf)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

@@ -408,7 +408,7 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
         columns.close_file(writer.records)
         telemetry_copy.close(writer.telemetry_rows)
     wall = time.perf_counter() - wall0
-    summary = build_summary(RunDir(cfg.out), slo=cfg.slo)
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo).to_json()
     simulated = sum(i["sim"]["simulated_s"] for i in infos)
     engine = sum(i["sim"]["wall_s"] for i in infos)
     summary["interrupted"] = interrupted
