@@ -169,7 +169,7 @@ def test_a_dataset_is_compared_by_its_content_not_its_path(runs, capsys):
     shutil.copyfile(original, copy)
     a = runs.get({**BASE, "--dataset": "@dataset"})
     b = runs.get({**BASE, "--dataset": str(copy)})
-    fa, fb = RunDir(a).manifest["fixed"], RunDir(b).manifest["fixed"]
+    fa, fb = RunDir(a).manifest.fixed, RunDir(b).manifest.fixed
     assert fa["workload.dataset"] != fb["workload.dataset"]
     assert fa["workload.dataset_sha256"] == fb["workload.dataset_sha256"] == hashlib.sha256(
         original.read_bytes()).hexdigest()
@@ -183,7 +183,7 @@ def test_a_dataset_is_compared_by_its_content_not_its_path(runs, capsys):
     d = runs.root / "edited-again"
     assert main(["bench", "--url", runs.url, *(x for kv in BASE.items() for x in kv), "--dataset", str(edited),
                  "--out", str(d), "--quiet", "--json"]) == 0
-    fc, fd = RunDir(c).manifest["fixed"], RunDir(str(d)).manifest["fixed"]
+    fc, fd = RunDir(c).manifest.fixed, RunDir(str(d)).manifest.fixed
     assert fc["workload.dataset"] == fd["workload.dataset"] == str(edited)
     assert fd["workload.dataset_sha256"] == hashlib.sha256(edited.read_bytes()).hexdigest()
     assert compare(c, str(d)) == 3
@@ -195,11 +195,15 @@ def test_a_dataset_is_compared_by_its_content_not_its_path(runs, capsys):
 
 def test_a_run_without_the_digest_is_compared_by_its_path():
     from kvcap.analysis.verdict import same_caliber
+    from kvcap.rundir import Manifest
 
-    old = {"fixed": {"workload.dataset": "d.jsonl"}}  # a run from before the digest was recorded
-    new = {"fixed": {"workload.dataset": "d.jsonl", "workload.dataset_sha256": "ab"}}
+    def run(fixed: dict[str, str]) -> Manifest:
+        return Manifest(source="bench", run_id="r", started_at=0.0, fixed=fixed)
+
+    old = run({"workload.dataset": "d.jsonl"})  # a run from before the digest was recorded
+    new = run({"workload.dataset": "d.jsonl", "workload.dataset_sha256": "ab"})
     assert same_caliber(old, new, set())["equal"] is True
-    moved = {"fixed": {"workload.dataset": "e.jsonl", "workload.dataset_sha256": "ab"}}
+    moved = run({"workload.dataset": "e.jsonl", "workload.dataset_sha256": "ab"})
     assert same_caliber(old, moved, set())["differences"] == [
         {"key": "workload.dataset", "control": "d.jsonl", "treatment": "e.jsonl"}]
     assert same_caliber(new, moved, set())["equal"] is True

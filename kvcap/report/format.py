@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any, TypeGuard
 
+from kvcap.rundir.summary import Summary
+
 ARMS = ("control", "treatment")
 """The two arms of a compare, in the order every report shows them."""
 VERDICT_MEANING = {
@@ -92,9 +94,11 @@ def pair(v: Any) -> list[Any]:
 INTERRUPTED = "interrupted: the summary covers the requests that finished"
 
 
-def run_notes(summary: dict[str, Any]) -> list[str]:
+def run_notes(summary: Summary | dict[str, Any]) -> list[str]:
     """A run's own warnings and how it ended early — failed or stopped by the error rule, interrupted — one line
     each, as the reports list them beside the client's warnings; empty for a run that ended well."""
+    if not isinstance(summary, dict):
+        summary = summary.to_json()
     notes = [str(w) for w in summary.get("warnings") or []]
     stopped = summary.get("stopped")
     if summary.get("failed"):
