@@ -89,7 +89,7 @@ def same_caliber(control: Manifest | None, treatment: Manifest | None, allow: se
 
     def differs(key: str) -> bool:
         if by_digest(key):
-            return fc[CONTENT_DIGEST[key]] != ft[CONTENT_DIGEST[key]]
+            return bool(fc[CONTENT_DIGEST[key]] != ft[CONTENT_DIGEST[key]])
         return not _same(key, fc.get(key), ft.get(key))
 
     def tolerated(key: str) -> bool:
