@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis.column_reader import columns_of, read_columns
-from kvcap.analysis.columns import LevelArrays
-from kvcap.analysis.quantiles import ItlValues, percentiles
 from kvcap.analysis.stats import tokens_in_window
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import REQUESTS, RunDir, read_jsonl
+from kvcap.rundir.store.column_reader import columns_of, read_columns
+from kvcap.rundir.store.columns import LevelArrays
+from kvcap.rundir.store.quantiles import ItlValues, percentiles
 from tests.conftest import ROOT, run_cli
 from tests.servers import start_fake_server
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.column_reader import read_columns
-from kvcap.analysis.columns import Key, Window
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
-from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
+from kvcap.rundir.store.column_reader import read_columns
+from kvcap.rundir.store.columns import Key, Window
+from kvcap.rundir.store.level_blocks import Level
 
 NOT_FIXED = {"target.url"}
 """Keys that are expected to differ between arms (two servers) and are not fixed variables."""
