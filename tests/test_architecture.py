@@ -23,7 +23,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"workload", "plan", "rundir"}),
     frozenset({"telemetry", "serve"}),
     frozenset({"analysis"}),
-    frozenset({"loadgen", "sim", "report", "testing"}),
+    frozenset({"loadgen", "sim", "report", "testing", "audit"}),
     frozenset({"experiment", "calibrate", "search"}),
     frozenset({"cli"}),
     frozenset({"__main__"}),
