@@ -24,7 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"telemetry", "serve"}),
     frozenset({"analysis"}),
     frozenset({"loadgen", "sim", "report", "testing", "audit"}),
-    frozenset({"experiment", "calibrate", "search"}),
+    frozenset({"ab", "calibrate", "search"}),
     frozenset({"cli"}),
     frozenset({"__main__"}),
 )

@@ -9,5 +9,5 @@ judged by the same rules in `kvcap.audit`, a layer above.
 
 Judgement must not depend on how the numbers were produced, so this package may import only kvcap.rundir,
 kvcap.plan, kvcap.specs, kvcap.units and kvcap.errors — never kvcap.loadgen, kvcap.sim, kvcap.report,
-kvcap.cli or kvcap.experiment.
+kvcap.cli or kvcap.ab.
 """
