@@ -107,7 +107,7 @@ def _real_experiment(path: str, sets: list[str] | None) -> Any:
 async def _run_real_ab(exp: Any, out: Path, quiet: bool) -> dict:
     import asyncio
 
-    from kvcap.ab.experiment import run_experiment
+    from kvcap.ab.real import run_experiment
 
     stop = asyncio.Event()
     common.on_stop_signals(stop.set)
@@ -116,7 +116,7 @@ async def _run_real_ab(exp: Any, out: Path, quiet: bool) -> dict:
 
 def run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, quiet: bool, prog: str = "ab") -> int:
     """Simulates both arms of a scenario experiment (`--set` applies to both), compares, reports and prints."""
-    from kvcap.ab.experiment import run_sim_experiment
+    from kvcap.ab.simulated import run_sim_experiment
     from kvcap.specs.scenario import parse_set
 
     out = Path(out_dir)
