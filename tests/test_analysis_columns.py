@@ -1,4 +1,4 @@
-"""The streaming columnar reader (``analysis.columns``, issue 14) against the list path, on real run directories.
+"""The streaming columnar reader (``rundir.store.columns``, issue 14) against the list path, on real run directories.
 
 ``build_summary`` reads ``requests.jsonl`` in chunks into per-level numpy columns; the list path reads every
 record into memory first (``read_jsonl``) and builds the same columns in one chunk. On a ``sim`` run (per-token
