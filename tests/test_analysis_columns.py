@@ -1,4 +1,4 @@
-"""The streaming columnar reader (``analysis.columns``, issue 14) against the list path, on real run directories.
+"""The streaming columnar reader (``rundir.store.columns``, issue 14) against the list path, on real run directories.
 
 ``build_summary`` reads ``requests.jsonl`` in chunks into per-level numpy columns; the list path reads every
 record into memory first (``read_jsonl``) and builds the same columns in one chunk. On a ``sim`` run (per-token
@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis.column_reader import columns_of, read_columns
-from kvcap.analysis.columns import LevelArrays
-from kvcap.analysis.quantiles import ItlValues, percentiles
 from kvcap.analysis.stats import tokens_in_window
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import REQUESTS, RunDir, read_jsonl
+from kvcap.rundir.store.column_reader import columns_of, read_columns
+from kvcap.rundir.store.columns import LevelArrays
+from kvcap.rundir.store.quantiles import ItlValues, percentiles
 from tests.conftest import ROOT, run_cli
 from tests.servers import start_fake_server
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvcap.analysis.column_reader import read_columns
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
+from kvcap.rundir.store.column_reader import read_columns
 
 GOLDEN = Path(__file__).parent / "data" / "summary_golden"
 

@@ -23,8 +23,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"workload", "plan", "rundir"}),
     frozenset({"telemetry", "serve"}),
     frozenset({"analysis"}),
-    frozenset({"loadgen", "sim", "report", "testing"}),
-    frozenset({"experiment", "calibrate", "search"}),
+    frozenset({"loadgen", "sim", "report", "testing", "audit"}),
+    frozenset({"ab", "calibrate", "search"}),
     frozenset({"cli"}),
     frozenset({"__main__"}),
 )

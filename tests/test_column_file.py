@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis import column_file, column_reader, telemetry
-from kvcap.analysis.column_file import _itl_stored, stored_columns
+from kvcap.analysis import telemetry
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import COLUMN_COPIES, REQUESTS, TELEMETRY, RunDir, RunWriter
+from kvcap.rundir.store import column_file, column_reader
+from kvcap.rundir.store.column_file import _itl_stored, stored_columns
 
 from .conftest import run_cli
 from .servers import start_fake_server
@@ -218,11 +219,11 @@ def test_an_interrupt_between_the_jsonl_and_its_copy_leaves_no_copy_trusted(tmp_
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while a chunk of records is being taken into columns: the JSONL has records the copy never got.
     The copy gets no index (so it is not read), and the run's own summary counts every record of the file."""
-    from kvcap.analysis import record_columns
     from kvcap.cli import main
+    from kvcap.rundir.store import record_columns
 
     calls = [0]
-    extract = record_columns._extract
+    extract = record_columns.extract
     init = record_columns.RecordColumns.__init__
 
     def interrupted(*args: Any) -> Any:
@@ -234,12 +235,12 @@ def test_an_interrupt_between_the_jsonl_and_its_copy_leaves_no_copy_trusted(tmp_
     def small_chunks(self: Any, sink: Any, chunk: int = 4096) -> None:
         init(self, sink, 64)
 
-    monkeypatch.setattr(record_columns, "_extract", interrupted)
+    monkeypatch.setattr(record_columns, "extract", interrupted)
     monkeypatch.setattr(record_columns.RecordColumns, "__init__", small_chunks)
     out = tmp_path / "run"
     main(["sim", SCENARIO, "--concurrency", "4,16", "--requests", "300", "--warmup", "0s", "--repeats", "1",
           "--out", str(out), "--quiet"])
-    monkeypatch.setattr(record_columns, "_extract", extract)
+    monkeypatch.setattr(record_columns, "extract", extract)
     assert calls[0] >= 2
     assert not (out / COLUMNS_INDEX).exists() and not (out / COLUMNS).exists()
     written = json.loads((out / "summary.json").read_text())

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis import column_reader
-from kvcap.analysis.column_reader import read_columns
-from kvcap.analysis.quantiles import OrderStats, _value_counts, percentiles
 from kvcap.analysis.summary import build_summary
-from kvcap.analysis.tokens import count_each_token, count_tokens
 from kvcap.rundir import RunDir
+from kvcap.rundir.store import column_reader
+from kvcap.rundir.store.column_reader import read_columns
+from kvcap.rundir.store.quantiles import OrderStats, _value_counts, percentiles
+from kvcap.rundir.store.tokens import count_each_token, count_tokens
 
 from .conftest import ROOT, run_cli
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from kvcap.analysis import telemetry_slices
-from kvcap.analysis.column_file import Damaged, TelemetryWriter, fingerprint, telemetry_span
-from kvcap.analysis.level_blocks import Spill
 from kvcap.analysis.summary import build_summary
 from kvcap.analysis.telemetry import Telemetry, read_telemetry
 from kvcap.analysis.telemetry_nodes import NodeFigures
 from kvcap.rundir import COLUMN_COPIES, TELEMETRY, RunDir
+from kvcap.rundir.store.column_file import Damaged, TelemetryWriter, fingerprint, telemetry_span
+from kvcap.rundir.store.level_blocks import Spill
 
 from .conftest import ROOT, run_cli
 

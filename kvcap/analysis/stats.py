@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.columns import SLO_METRICS, LevelArrays, level_key
-from kvcap.analysis.level_blocks import Level, as_level
-from kvcap.analysis.quantiles import QUANTILES, OrderStats, percentiles
+from kvcap.rundir.store.columns import SLO_METRICS, LevelArrays, level_key
+from kvcap.rundir.store.level_blocks import Level, as_level
+from kvcap.rundir.store.quantiles import QUANTILES, OrderStats, percentiles
 
 __all__ = ["QUANTILES", "LevelArrays", "bootstrap_ci", "check_slo", "level_key", "meets_request_slo", "percentiles",
            "repeats_ci", "summarize_level", "tokens_in_window"]

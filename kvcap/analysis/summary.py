@@ -11,17 +11,17 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
-from kvcap.analysis.column_reader import Reader, read_columns
-from kvcap.analysis.columns import LevelArrays
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
-from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.stats import check_slo, summarize_level
 from kvcap.analysis.telemetry_figures import telemetry_figures
 from kvcap.analysis.telemetry_nodes import imbalance
 from kvcap.rundir import REQUESTS, RunDir
 from kvcap.rundir.levels import LevelRow
 from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.store.column_reader import Reader, read_columns
+from kvcap.rundir.store.columns import LevelArrays
+from kvcap.rundir.store.level_blocks import Level
 from kvcap.rundir.summary import LevelSummary, Limits, Summary
 from kvcap.specs.load import LIMIT_RULE
 

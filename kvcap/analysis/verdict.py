@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.column_reader import read_columns
-from kvcap.analysis.columns import Key
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
-from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
 from kvcap.rundir.compare import ArmResult, Comparison, GoodputGain
 from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.store.column_reader import read_columns
+from kvcap.rundir.store.columns import Key
+from kvcap.rundir.store.level_blocks import Level
 from kvcap.rundir.summary import LevelSummary, Summary
 
 Window = tuple[float, float]

@@ -40,7 +40,7 @@ COLUMN_SUFFIX, COLUMN_INDEX_SUFFIX = ".columns", ".columns.json"
 COLUMN_COPIES = tuple(Path(jsonl).stem + suffix for jsonl in (REQUESTS, TELEMETRY)
                       for suffix in (COLUMN_SUFFIX, COLUMN_INDEX_SUFFIX))
 """Binary copies of what the analysis reads from ``requests.jsonl`` and ``telemetry.jsonl``, and their indexes
-(``analysis.column_file``): stale once those files change."""
+(``rundir.store.column_file``): stale once those files change."""
 
 
 # ---------------------------------------------------------------- the two schemas: one record, one manifest

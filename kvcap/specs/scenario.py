@@ -118,7 +118,7 @@ class ServingSpec(Strict):
     enable_prefix_caching: bool = True
     hash_block_tokens: int = Field(default=MOONCAKE_BLOCK_TOKENS, ge=1)
     """Prompt tokens each of a trace's ``hash_ids`` stands for: Mooncake's traces hash 512-token blocks; a replay
-    that hashes its prompts as vLLM does (``kvcap.calibrate.published``'s sessions) uses ``block_size``."""
+    that hashes its prompts as vLLM does (``benchmarks/published.py``'s sessions) uses ``block_size``."""
     kv_offload: KvOffload = "none"
     host_kv_capacity: Size | None = None
     """Host RAM per node given to offloaded KV; default half of cluster.host_memory."""
