@@ -1,7 +1,7 @@
 """Build hook: the simulator's event loop compiled to C with mypyc where it can be, plain Python where it cannot.
 
 Why: the simulator's time is Python's per-step work (a policy decision, a batch, its tokens); the same code
-compiled runs ~2× faster (``benchmarks/sim_speed.py``). Nothing else changes: the compiled modules are the ``.py``
+compiled runs faster (how much: ``benchmarks/README.md``, ``sim_speed.py``). Nothing else changes: the compiled modules are the ``.py``
 sources, and ``kvcap.sim.native`` loads those sources instead whenever the build does not match them. The manifest
 it checks (``kvcap/sim/_native.<abi>.json``, one per Python ABI, written only when every extension was built)
 holds the SHA-256 of every ``kvcap`` source as mypyc read it — the compiled modules and every module whose types
@@ -19,8 +19,9 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-NATIVE = ("batch_shape", "cluster", "cost", "cost_empirical", "engine", "kv", "links", "model_shape", "policy",
-          "policy_llamacpp", "policy_vllm", "replica", "request", "roofline", "rounding", "run", "sampler")
+NATIVE = ("batch_shape", "cluster", "cost", "cost_empirical", "engine", "events", "kv", "links", "model_shape",
+          "policy", "policy_llamacpp", "policy_vllm", "replica", "replica_state", "request", "roofline", "rounding",
+          "run", "sampler", "step_cost", "tiers")
 """``kvcap/sim`` modules compiled (not ``server``: aiohttp's handlers; not ``calibration_io``: pydantic models;
 not ``native``: it chooses the build)."""
 GROUP = "kvcap.sim._native"

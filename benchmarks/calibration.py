@@ -1,7 +1,7 @@
 """Held-out prediction errors of a calibrated simulator against published real-vLLM runs.
 
 For each published set in ``data/vllm_measured.yaml`` (sources there): calibrate the step cost on its lowest
-third of load levels (at least two) through ``kvcap.calibrate.published`` (the same fit ``kvcap calibrate`` runs),
+third of load levels (at least two) through ``benchmarks.published`` (the same fit ``kvcap calibrate`` runs),
 predict every other level with the simulator, and print one table of the errors on the predicted points only —
 the fit never sees them. The A100 0.25-utilisation set is predicted from the 0.5 set's fit with only the KV pool
 changed to the one its log states (a what-if on memory: none of its points is fitted).
@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcap.calibrate.published import (  # noqa: E402
+from benchmarks.published import (  # noqa: E402
     ITL_KEYS,
     PublishedSet,
     calibrate_and_predict,

@@ -5,7 +5,7 @@ with the same GPU, model, dtype, engine limits, lengths and load, and prints mea
 throughput, measured vs simulated, with the error. Throughput and latencies are computed from the simulated
 records exactly as ``benchmark_serving.py`` does: total output tokens / (last completion − first send); E2E on
 both sides is derived as the sources derive it, TTFT + TPOT × (mean output − 1). Each point is replayed as
-``benchmarks/calibration.py`` replays it (``kvcap.calibrate.published.replay``).
+``benchmarks/calibration.py`` replays it (``benchmarks.published.replay``).
 
     .venv/bin/python benchmarks/sim_fidelity.py
 """
@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcap.calibrate.published import PublishedSet, e2e_s, load_sets, replay  # noqa: E402
+from benchmarks.published import PublishedSet, e2e_s, load_sets, replay  # noqa: E402
 from kvcap.specs.scenario import build_scenario  # noqa: E402
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.columns import LevelArrays
-from kvcap.analysis.level_blocks import Level, as_level
-from kvcap.analysis.quantiles import OrderStats
 from kvcap.analysis.telemetry import Points, Series, points
+from kvcap.rundir.store.columns import LevelArrays
+from kvcap.rundir.store.level_blocks import Level, as_level
+from kvcap.rundir.store.quantiles import OrderStats
 
 MIN_SCALING = 0.10
 """Condition (a): the throughput gain must be at least 10% of the proportional gain (concurrency ×2 → +10%)."""

@@ -10,77 +10,81 @@
 
 from __future__ import annotations
 
-from typing import Any
+from kvcap.rundir.summary import Finding, Imbalance, LevelSummary
 
 TPOT_FLAT = 1.15
 TPOT_GROWS = 1.30
 
 
-def _p(lv: dict[str, Any], metric: str, q: str = "p50") -> float | None:
-    return (lv.get(f"{metric}_ms") or {}).get(q)
+def _p(lv: LevelSummary, metric: str, q: str = "p50") -> float | None:
+    value: float | None = getattr(getattr(lv, f"{metric}_ms"), q)
+    return value
 
 
-def diagnose(summary: dict[str, Any], arm: str = "run") -> list[dict[str, Any]]:
-    """Findings ``{arm, bound, direction, evidence}`` for one run's summary (bench or sim alike)."""
-    levels = sorted([lv for lv in summary.get("levels", []) if lv["ok"] > 0], key=lambda x: x["level"])
-    out: list[dict[str, Any]] = []
+def diagnose(summary_levels: list[LevelSummary], arm: str = "run") -> list[Finding]:
+    """Findings (arm, bound, evidence, direction) for one run's summary levels (bench or sim alike)."""
+    levels = sorted([lv for lv in summary_levels if lv.ok > 0], key=lambda x: x.level)
+    out: list[Finding] = []
     if len(levels) < 2:
         return _imbalance(levels, arm) + _link(levels, arm)
-    warn = sorted({w for lv in levels for w in lv.get("client_warnings", [])})
-    lagging = [lv for lv in levels if (lv.get("littles_law") or {}).get("ratio_to_concurrency", 1.0) < 0.85]
+    warn = sorted({w for lv in levels for w in lv.client_warnings})
+    lagging = [(lv, law) for lv in levels if (law := lv.littles_law) is not None
+               and law.ratio_to_concurrency is not None and law.ratio_to_concurrency < 0.85]
     if warn or lagging:
         ev = "; ".join(warn) if warn else (
-            f"in flight {lagging[0]['littles_law']['in_flight']:.1f} at c={lagging[0]['level']} "
-            f"(ratio {lagging[0]['littles_law']['ratio_to_concurrency']:.2f})")
-        out.append({"arm": arm, "bound": "client", "evidence": ev,
-                    "direction": "the load generator limited the run: use --workers or a bigger client host "
-                                 "before judging the server"})
+            f"in flight {lagging[0][1].in_flight:.1f} at c={lagging[0][0].level} "
+            f"(ratio {lagging[0][1].ratio_to_concurrency:.2f})")
+        out.append(Finding(arm=arm, bound="client", evidence=ev,
+                           direction="the load generator limited the run: use --workers or a bigger client host "
+                                     "before judging the server"))
     first, last = levels[0], levels[-1]
     tp0, tp1 = _p(first, "tpot"), _p(last, "tpot")
     tt0, tt1 = _p(first, "ttft"), _p(last, "ttft")
     full = _kv_full(levels)
     if full is not None:
-        out.append(full | {"arm": arm})
+        full.arm = arm
+        out.append(full)
         out += _link(levels, arm)
         out += _imbalance(levels, arm)
         return out
-    waiting = [lv for lv in levels if (lv.get("server_waiting_mean") or 0) >= 0.5]
-    queued = waiting or [lv for lv in levels if tt0 and _p(lv, "ttft") and _p(lv, "ttft") > 2 * tt0 + 5 * (tp0 or 0)]
+    waiting = [lv for lv in levels if (lv.server_waiting_mean or 0) >= 0.5]
+    queued = waiting or [lv for lv in levels
+                         if tt0 and (tt := _p(lv, "ttft")) and tt > 2 * tt0 + 5 * (tp0 or 0)]
     if tp0 and tp1:
         growth = tp1 / tp0
         if queued and growth <= TPOT_FLAT:
             q = queued[0]
-            src = (f"server waiting {q['server_waiting_mean']:.1f} on average" if q in waiting
-                   else f"TTFT p50 {_p(q, 'ttft'):.0f} ms vs {tt0:.0f} ms at c={first['level']}")
-            out.append({"arm": arm, "bound": "kv_capacity",
-                        "evidence": f"from c={q['level']} requests queue ({src}) while TPOT p50 stays "
-                                    f"{tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from c={first['level']} to "
-                                    f"c={last['level']}",
-                        "direction": "compute has headroom and requests wait for KV room: more KV memory "
-                                     "(VRAM, host or remote offload) is likely to raise stable concurrency, if the "
-                                     "link to it keeps up"})
+            src = (f"server waiting {q.server_waiting_mean or 0:.1f} on average" if q in waiting
+                   else f"TTFT p50 {_p(q, 'ttft') or 0:.0f} ms vs {tt0:.0f} ms at c={first.level}")
+            out.append(Finding(arm=arm, bound="kv_capacity",
+                               evidence=f"from c={q.level} requests queue ({src}) while TPOT p50 stays "
+                                        f"{tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from c={first.level} to "
+                                        f"c={last.level}",
+                               direction="compute has headroom and requests wait for KV room: more KV memory "
+                                         "(VRAM, host or remote offload) is likely to raise stable concurrency, if "
+                                         "the link to it keeps up"))
         elif growth >= TPOT_GROWS:
-            running = [lv.get("server_running_max") for lv in levels]
-            ev = (f"TPOT p50 grows {tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from c={first['level']} to "
-                  f"c={last['level']}")
+            running = [lv.server_running_max for lv in levels]
+            ev = (f"TPOT p50 grows {tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from c={first.level} to "
+                  f"c={last.level}")
             if all(r is not None for r in running):
                 ev += f" with {running[-1]:.0f} requests running"
             if tt0 and tt1:
                 ev += f"; TTFT p50 {tt0:.0f} → {tt1:.0f} ms"
-            util = last.get("gpu_util_mean")
+            util = last.gpu_util_mean
             if util is not None:
                 ev += f"; GPU utilisation {util:.0%}"
-                if (last.get("kv_usage_max") or 0) < KV_FULL and last.get("kv_usage_max") is not None:
-                    ev += f" with the KV cache {last['kv_usage_max']:.0%} full"
-            out.append({"arm": arm, "bound": "compute", "evidence": ev,
-                        "direction": "the GPU is the limit, not memory: more memory won't raise stable "
-                                     "concurrency; add compute (GPUs/replicas), quantize, or cap the batch"})
+                if last.kv_usage_max is not None and last.kv_usage_max < KV_FULL:
+                    ev += f" with the KV cache {last.kv_usage_max:.0%} full"
+            out.append(Finding(arm=arm, bound="compute", evidence=ev,
+                               direction="the GPU is the limit, not memory: more memory won't raise stable "
+                                         "concurrency; add compute (GPUs/replicas), quantize, or cap the batch"))
     out += _link(levels, arm)
     out += _imbalance(levels, arm)
     if not out:
-        out.append({"arm": arm, "bound": "none_seen",
-                    "evidence": f"TPOT p50 {tp0} → {tp1} ms, no queueing seen up to c={last['level']}",
-                    "direction": "no bottleneck reached: extend the sweep to higher load"})
+        out.append(Finding(arm=arm, bound="none_seen",
+                           evidence=f"TPOT p50 {tp0} → {tp1} ms, no queueing seen up to c={last.level}",
+                           direction="no bottleneck reached: extend the sweep to higher load"))
     return out
 
 
@@ -88,23 +92,25 @@ KV_FULL = 0.9
 """KV usage (of HBM blocks) at which the cache counts as full."""
 
 
-def _kv_full(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Server telemetry shows the KV cache full while requests wait (or sit parked in a lower tier)."""
+def _kv_full(levels: list[LevelSummary]) -> Finding | None:
+    """Server telemetry shows the KV cache full while requests wait (or sit parked in a lower tier); the finding's
+    arm is set by the caller (it comes last in the file)."""
     for i, lv in enumerate(levels):
-        held = (lv.get("server_waiting_mean") or 0) + (lv.get("server_parked_mean") or 0)
-        if (lv.get("kv_usage_max") or 0) < KV_FULL or held < 0.5:
+        held = (lv.server_waiting_mean or 0) + (lv.server_parked_mean or 0)
+        kv = lv.kv_usage_max or 0
+        if kv < KV_FULL or held < 0.5:
             continue
         before = levels[i - 1] if i else lv
         tp_a, tp_b = _p(before, "tpot"), _p(levels[-1], "tpot")
-        parked = lv.get("server_parked_mean") or 0
-        ev = (f"from c={lv['level']} the KV cache is {lv['kv_usage_max']:.0%} full with "
-              f"{lv.get('server_waiting_mean') or 0:.1f} requests waiting")
+        parked = lv.server_parked_mean or 0
+        ev = (f"from c={lv.level} the KV cache is {kv:.0%} full with "
+              f"{lv.server_waiting_mean or 0:.1f} requests waiting")
         if parked:
             ev += f" and {parked:.1f} parked in a lower tier"
-        if lv.get("server_running_max") is not None:
-            ev += f"; at most {lv['server_running_max']:.0f} run (decode) at once"
+        if lv.server_running_max is not None:
+            ev += f"; at most {lv.server_running_max:.0f} run (decode) at once"
         if tp_a and tp_b:
-            ev += f"; TPOT p50 {tp_a:.1f} → {tp_b:.1f} ms from c={before['level']} to c={levels[-1]['level']}"
+            ev += f"; TPOT p50 {tp_a:.1f} → {tp_b:.1f} ms from c={before.level} to c={levels[-1].level}"
         if parked >= 0.5:
             direction = ("the offload tier holds the extra requests but only HBM-resident ones decode: it raises "
                          "resident capacity, not stable concurrency; more KV room in HBM (fp8 KV cache, a GQA model, "
@@ -113,47 +119,46 @@ def _kv_full(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
             direction = ("VRAM for KV binds while compute has headroom: more KV room in HBM (fp8 KV cache, a GQA "
                          "model, bigger or more GPUs) raises stable concurrency; an offload tier holds waiting "
                          "requests but cannot decode them, so it helps only where it saves prefill (reused prefixes)")
-        return {"bound": "kv_capacity", "evidence": ev, "direction": direction}
+        return Finding.model_validate({"bound": "kv_capacity", "evidence": ev, "direction": direction, "arm": ""})
     return None
 
 
-def _link(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
-    util = [lv.get("link_util_max") for lv in levels if lv.get("link_util_max") is not None]
+def _link(levels: list[LevelSummary], arm: str) -> list[Finding]:
+    util = [lv.link_util_max for lv in levels if lv.link_util_max is not None]
     if util and max(util) >= 0.8:
-        return [{"arm": arm, "bound": "interconnect", "evidence": f"link utilisation up to {max(util):.0%}",
-                 "direction": "remote KV traffic saturates the link: faster interconnect, keep hot KV local, or "
-                              "offload only cold prefixes"}]
+        return [Finding(arm=arm, bound="interconnect", evidence=f"link utilisation up to {max(util):.0%}",
+                        direction="remote KV traffic saturates the link: faster interconnect, keep hot KV local, "
+                                  "or offload only cold prefixes")]
     return []
 
 
-def _imbalance(levels: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
+def _imbalance(levels: list[LevelSummary], arm: str) -> list[Finding]:
     """Load that could be spread is not (kvcap.analysis.telemetry_nodes.imbalance): the hottest node bounds the cluster."""
     for lv in levels:
-        hot = lv.get("imbalance")
+        hot = lv.imbalance
         if hot:
-            return [{"arm": arm, "bound": "imbalance", "evidence": f"at {_at(lv)} {_imbalance_evidence(hot)}",
-                     "direction": "load that could be spread is not: fix routing / placement (KV-aware or "
-                                  "least-loaded balancing) before adding memory or GPUs"}]
+            return [Finding(arm=arm, bound="imbalance", evidence=f"at {_at(lv)} {_imbalance_evidence(hot)}",
+                            direction="load that could be spread is not: fix routing / placement (KV-aware or "
+                                      "least-loaded balancing) before adding memory or GPUs")]
     return []
 
 
-def _at(lv: dict[str, Any]) -> str:
-    mode = lv.get("mode", "concurrency")
-    return {"concurrency": f"c={lv['level']}", "rate": f"{lv['level']} req/s",
-            "trace": f"trace ×{lv['level']:g}"}.get(mode, f"{mode} {lv['level']}")
+def _at(lv: LevelSummary) -> str:
+    return {"concurrency": f"c={lv.level}", "rate": f"{lv.level} req/s",
+            "trace": f"trace ×{lv.level:g}"}.get(lv.mode, f"{lv.mode} {lv.level}")
 
 
-def _imbalance_evidence(hot: dict[str, Any]) -> str:
-    flight = hot.get("in_flight")
-    load = f" with {round(flight, 1):g} in flight on {hot['replicas']} replicas" if flight else ""
-    if hot["metric"] == "requests_held":
-        return (f"node {hot['hot']} holds {hot['hot_value']:.1f} requests (running + waiting) while node "
-                f"{hot['cold']} holds {hot['cold_value']:.1f} of a fair share of "
-                f"{hot['fair_share']:.1f}{load}")
-    if hot["metric"] == "waiting_mean":
-        kv = hot.get("cold_kv_usage_max")
+def _imbalance_evidence(hot: Imbalance) -> str:
+    flight = hot.in_flight
+    load = f" with {round(flight, 1):g} in flight on {hot.replicas} replicas" if flight else ""
+    if hot.metric == "requests_held":
+        return (f"node {hot.hot} holds {hot.hot_value:.1f} requests (running + waiting) while node "
+                f"{hot.cold} holds {hot.cold_value:.1f} of a fair share of "
+                f"{hot.fair_share or 0:.1f}{load}")
+    if hot.metric == "waiting_mean":
+        kv = hot.cold_kv_usage_max
         room = f" and its KV cache {kv:.0%} full" if kv is not None else ""
-        return (f"{hot['hot_value']:.1f} requests wait on node {hot['hot']} while node {hot['cold']} has "
-                f"{hot['cold_value']:.1f} waiting{room}{load}")
-    return (f"node {hot['hot']} has {hot['metric']} {hot['hot_value']:.0%} while node {hot['cold']} has "
-            f"{hot['cold_value']:.0%}{load}")
+        return (f"{hot.hot_value:.1f} requests wait on node {hot.hot} while node {hot.cold} has "
+                f"{hot.cold_value:.1f} waiting{room}{load}")
+    return (f"node {hot.hot} has {hot.metric} {hot.hot_value:.0%} while node {hot.cold} has "
+            f"{hot.cold_value:.0%}{load}")

@@ -6,27 +6,28 @@ longer than asked measured another workload, and two arms may only be compared o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from kvcap.errors import InputError
+from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.summary import LevelSummary
 from kvcap.specs.lengths import parse_length
 
 TOLERANCE = 0.05
 """Relative gap between asked and measured mean input lengths (or between two arms' measured ones) that counts."""
 
 
-def levels_input_mean(levels: Iterable[Mapping[str, Any]]) -> float | None:
+def levels_input_mean(levels: Iterable[LevelSummary]) -> float | None:
     """Mean input tokens of the measured requests that succeeded, from a summary's levels (each level's
     ``input_tokens_mean`` weighted by its ``ok``); None without any."""
-    pairs = [(lv["input_tokens_mean"], lv.get("ok") or 0) for lv in levels if lv.get("input_tokens_mean") is not None]
+    pairs = [(lv.input_tokens_mean, lv.ok) for lv in levels if lv.input_tokens_mean is not None]
     n = sum(k for _, k in pairs)
     return round(sum(m * k for m, k in pairs) / n, 2) if n else None
 
 
-def asked_mean(manifest: Mapping[str, Any]) -> float | None:
+def asked_mean(manifest: Manifest | None) -> float | None:
     """The mean of the asked input length distribution; None for a dataset, a trace or an unreadable spec."""
-    fixed = manifest.get("fixed") or {}
+    fixed = manifest.fixed if manifest is not None else {}
     spec = fixed.get("workload.input_tokens")
     if spec is None or fixed.get("load.mode") == "trace":
         return None
@@ -42,7 +43,7 @@ def relative_gap(a: float, b: float) -> float:
     return abs(a - b) / top if top else 0.0
 
 
-def input_length_warnings(manifest: Mapping[str, Any], levels: Iterable[Mapping[str, Any]]) -> list[str]:
+def input_length_warnings(manifest: Manifest | None, levels: Iterable[LevelSummary]) -> list[str]:
     """A warning when the mean input length the server counted is more than :data:`TOLERANCE` from the asked."""
     asked, measured = asked_mean(manifest), levels_input_mean(levels)
     if asked is None or measured is None or relative_gap(asked, measured) <= TOLERANCE:

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.columns import SLO_METRICS, LevelArrays, level_key
-from kvcap.analysis.level_blocks import Level, as_level
-from kvcap.analysis.quantiles import QUANTILES, OrderStats, percentiles
+from kvcap.rundir.store.columns import SLO_METRICS, LevelArrays, level_key
+from kvcap.rundir.store.level_blocks import Level, as_level
+from kvcap.rundir.store.quantiles import QUANTILES, OrderStats, percentiles
 
 __all__ = ["QUANTILES", "LevelArrays", "bootstrap_ci", "check_slo", "level_key", "meets_request_slo", "percentiles",
            "repeats_ci", "summarize_level", "tokens_in_window"]
@@ -160,7 +160,7 @@ def bootstrap_ci(a: LevelArrays, ok: np.ndarray, windows: dict[int, tuple[float,
         s.ask(_p95_interval_ranks(s.n))
         s.collect(values)
         samples.append(s)
-    return _p95_intervals(*samples, n_boot=n_boot, seed=seed)
+    return _p95_intervals(samples[0], samples[1], n_boot=n_boot, seed=seed)
 
 
 def _p95_interval_ranks(n: int) -> np.ndarray:

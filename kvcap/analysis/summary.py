@@ -11,28 +11,32 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
-from kvcap.analysis.column_reader import Reader, read_columns
-from kvcap.analysis.columns import LevelArrays
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
-from kvcap.analysis.level_blocks import Level
 from kvcap.analysis.stats import check_slo, summarize_level
 from kvcap.analysis.telemetry_figures import telemetry_figures
 from kvcap.analysis.telemetry_nodes import imbalance
 from kvcap.rundir import REQUESTS, RunDir
+from kvcap.rundir.levels import LevelRow
+from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.store.column_reader import Reader, read_columns
+from kvcap.rundir.store.columns import LevelArrays
+from kvcap.rundir.store.level_blocks import Level
+from kvcap.rundir.summary import LevelSummary, Limits, Summary
 from kvcap.specs.load import LIMIT_RULE
 
 
 def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Reader | None = None,
-                  write_copies: bool = False) -> dict[str, Any]:
+                  write_copies: bool = False) -> Summary:
     """``reader``: how records become per-level columns (default: streamed from ``requests.jsonl``);
     ``write_copies``: write the JSONL files' column copies where missing (the run's writer closing its own run:
     later reports and comparisons skip the parse)."""
-    slo = slo if slo is not None else (run.manifest.get("slo") or {})
-    infos: dict[tuple[str, float], dict[int, dict[str, Any]]] = defaultdict(dict)
+    manifest = run.manifest
+    slo = slo if slo is not None else run.slo
+    infos: dict[tuple[str, float], dict[int, LevelRow]] = defaultdict(dict)
     for info in run.levels():
-        infos[(str(info["mode"]), float(info["level"]))][int(info.get("repeat", 0))] = info
-    known = {key: {k: (reps[k]["measure_start_s"], reps[k]["measure_end_s"]) for k in sorted(reps)}
+        infos[(info.mode, float(info.level))][info.repeat] = info
+    known = {key: {k: (reps[k].measure_start_s, reps[k].measure_end_s) for k in sorted(reps)}
              for key, reps in infos.items()}
     by_level = reader(run.dir / REQUESTS, known) if reader else read_columns(run.dir / REQUESTS, known,
                                                                                write_copy=write_copies)
@@ -55,11 +59,10 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         value = int(level) if level.is_integer() else level
         entry = {"mode": mode, "level": value, **stats, "slo_ok": not failed and stats["ok"] > 0,
                  "failed_checks": failed}
-        rates = [i.get("achieved_rate") for i in reps.values() if i.get("achieved_rate") is not None]
+        rates = [i.achieved_rate for i in reps.values() if i.achieved_rate is not None]
         if rates:
             entry["achieved_rate"] = round(float(np.median(rates)), 4)
-        entry["client_warnings"] = sorted({w for i in reps.values()
-                                           for w in (i.get("client") or {}).get("warnings", [])})
+        entry["client_warnings"] = sorted({w for i in reps.values() for w in i.client.warnings})
         w0, w1 = first[key]
         entry.update(figures.level(w))
         if figures.node_names:
@@ -74,20 +77,21 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         levels.append(entry)
     for mode in {lv["mode"] for lv in levels}:
         apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])
-    summary = {"source": run.manifest.get("source"), "arm": run.manifest.get("arm"), "slo": slo,
-               "limits": level_limits(run.manifest), "levels": levels,
-               "capacity": capacities(levels, slo, figures.maxima(figures.resident), figures.maxima(figures.waiting))}
+    capacity = capacities(levels, slo, figures.maxima(figures.resident), figures.maxima(figures.waiting))
     if figures.parked:
-        summary["capacity"]["resident_source"] = "telemetry:running+parked"
-    summary["diagnosis"] = diagnose(summary, run.manifest.get("arm") or "run")
-    summary["warnings"] = input_length_warnings(run.manifest, levels)
+        capacity["resident_source"] = "telemetry:running+parked"
+    summary = Summary.model_validate({
+        "source": manifest.source if manifest else None, "arm": manifest.arm if manifest else None, "slo": slo,
+        "limits": level_limits(manifest), "levels": levels, "capacity": capacity})
+    summary.diagnosis = diagnose(summary.levels, (manifest.arm if manifest else None) or "run")
+    summary.warnings = input_length_warnings(manifest, summary.levels)
     return summary
 
 
-def level_limits(manifest: dict[str, Any]) -> dict[str, Any]:
+def level_limits(manifest: Manifest | None) -> Limits:
     """What ended each level's measured window, as the run was asked (both limits: ``LIMIT_RULE``), and any
     precedence taken on the inputs (``manifest.notes``) — so a count that stopped short is never a surprise."""
-    fixed = manifest.get("fixed") or {}
+    fixed = manifest.fixed if manifest is not None else {}
     duration, requests = fixed.get("load.duration"), fixed.get("load.requests")
     if duration is not None and requests is not None:
         rule = LIMIT_RULE
@@ -99,4 +103,11 @@ def level_limits(manifest: dict[str, Any]) -> dict[str, Any]:
         rule = "a level ends when its trace rows are sent"
     if fixed.get("load.mode") == "trace" and (duration is not None or requests is not None):
         rule = "the trace's rows are replayed; " + rule
-    return {"duration_s": duration, "requests": requests, "rule": rule, "notes": list(manifest.get("notes") or [])}
+    return Limits(duration_s=duration, requests=requests, rule=rule,
+                  notes=list(manifest.notes) if manifest is not None else [])
+
+
+def best_goodput_level(levels: list[LevelSummary]) -> LevelSummary | None:
+    """The level with the highest goodput (``goodput_tok_s``), the first of equals in the summary's order (mode,
+    then level); None without levels. The one definition for ``compare``'s verdict, the reports and ``search``."""
+    return max(levels, key=lambda lv: lv.goodput_tok_s, default=None)

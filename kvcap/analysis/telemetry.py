@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.column_file import Damaged, TelemetryWriter, fingerprint, stored_telemetry, writable
 from kvcap.rundir import TELEMETRY, RunDir, gc_paused
+from kvcap.rundir.store.column_file import Damaged, TelemetryWriter, fingerprint, stored_telemetry, writable
 
 MEAN = {"gpu.util", "gpu.sm_active", "gpu.dram_active", "gpu.engine_active", "server.kv_usage",
         "server.kv_usage_host", "server.kv_tier_usage", "server.prefix_cache_hit_rate", "server.offload_hit_rate"}

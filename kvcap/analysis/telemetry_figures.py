@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import TrendSums
-from kvcap.analysis.column_file import Damaged
 from kvcap.analysis.telemetry import Series, Telemetry, read_telemetry, series_of
 from kvcap.analysis.telemetry_nodes import NodeFigures, Stat, cut, nodes, servers
 from kvcap.analysis.telemetry_slices import telemetry_slices
 from kvcap.rundir import RunDir
+from kvcap.rundir.store.column_file import Damaged
 
 Window = tuple[float, float]
 LEVEL_FIGURES = (("link_util_max", "link.util", "max"), ("gpu_util_mean", "gpu.util", "mean"),

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcap.analysis.column_file import Damaged, Series, stored_telemetry, telemetry_span
 from kvcap.analysis.telemetry import Telemetry, read_telemetry, round_us
 from kvcap.rundir import TELEMETRY, RunDir
+from kvcap.rundir.store.column_file import Damaged, Series, stored_telemetry, telemetry_span
 
 SLICE_S = 8192.0
 """Simulated seconds per slice: ~10 MB of rows and grids for the sim's 45 series at 1 s."""

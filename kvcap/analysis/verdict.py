@@ -13,14 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.column_reader import read_columns
-from kvcap.analysis.columns import Key, Window
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
-from kvcap.analysis.level_blocks import Level
-from kvcap.analysis.summary import build_summary
+from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
+from kvcap.rundir.compare import ArmResult, Comparison, GoodputGain
+from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.store.column_reader import read_columns
+from kvcap.rundir.store.columns import Key
+from kvcap.rundir.store.level_blocks import Level
+from kvcap.rundir.summary import LevelSummary, Summary
 
+Window = tuple[float, float]
+"""A measured window (run seconds)."""
 NOT_FIXED = {"target.url"}
 """Keys that are expected to differ between arms (two servers) and are not fixed variables."""
 BOOTSTRAP = 400
@@ -42,6 +47,7 @@ DERIVED: dict[str, tuple[str, ...]] = {
     "load.trace": ("load.mode", "load.trace_speed"),  # the trace mode's one level is its speed
     "load.trace_speed": ("load.mode",), "load.trace_rows": ("load.mode",),
     "load.trace_requests": ("load.mode", "load.trace_rows"),
+    "workload.dataset_sha256": ("workload.dataset",),
 }
 """Keys that follow others: a difference in one is accepted when a key it derives from differs and is accepted
 (allowed or under test), so ``--allow-diff workload.input_tokens`` also accepts the prompt set and the measured
@@ -51,31 +57,51 @@ WITHIN_TOLERANCE = {"workload.input_tokens_measured", MEASURED_INPUT}
 difference (the other measured key still speaks)."""
 
 
+CONTENT_DIGEST = {"workload.dataset": "workload.dataset_sha256"}
+"""A file's key and the key of its content's SHA-256: where both runs recorded the digest, it decides (the same file
+at two paths is no difference; another file at the same path is, under the digest's key). A run without it (older
+kvcap) is compared by the path."""
+
+
 def _same(key: str, a: Any, b: Any) -> bool:
+    if key in CONTENT_DIGEST.values():  # unknown on one side: the path decides
+        return a is None or b is None or a == b
     if key in WITHIN_TOLERANCE:
         return a is None or b is None or relative_gap(float(a), float(b)) <= TOLERANCE
-    return a == b
+    return bool(a == b)
 
 
-def same_caliber(control: dict[str, Any], treatment: dict[str, Any], allow: set[str],
+def same_caliber(control: Manifest | None, treatment: Manifest | None, allow: set[str],
                  measured: Mapping[str, tuple[Any, Any]] | None = None) -> dict[str, Any]:
     """Every fixed variable must match except those under test or explicitly allowed, and the keys derived from
     those (:data:`DERIVED`); ``measured`` adds figures from the records, ``{key: (control, treatment)}``."""
-    fc, ft = dict(control.get("fixed") or {}), dict(treatment.get("fixed") or {})
+    fc = dict(control.fixed) if control is not None else {}
+    ft = dict(treatment.fixed) if treatment is not None else {}
     for key, (a, b) in (measured or {}).items():
         fc[key], ft[key] = a, b
-    under_test = set(control.get("under_test") or []) | set(treatment.get("under_test") or [])
+    under_test = (set(control.under_test if control is not None else [])
+                  | set(treatment.under_test if treatment is not None else []))
     accepted = allow | under_test
 
-    def tolerated(key: str) -> bool:
-        return key in accepted or any(fc.get(src) != ft.get(src) and tolerated(src) for src in DERIVED.get(key, ()))
+    def by_digest(key: str) -> bool:
+        digest = CONTENT_DIGEST.get(key)
+        return digest is not None and fc.get(digest) is not None and ft.get(digest) is not None
 
-    diffs, allowed = [], []
+    def differs(key: str) -> bool:
+        if by_digest(key):
+            return bool(fc[CONTENT_DIGEST[key]] != ft[CONTENT_DIGEST[key]])
+        return not _same(key, fc.get(key), ft.get(key))
+
+    def tolerated(key: str) -> bool:
+        return key in accepted or any(differs(src) and tolerated(src) for src in DERIVED.get(key, ()))
+
+    diffs: list[dict[str, Any]] = []
+    allowed: list[dict[str, Any]] = []
     for key in sorted(set(fc) | set(ft)):
-        if key in NOT_FIXED:
+        if key in NOT_FIXED or by_digest(key):  # a file with digests on both sides: its digest key says it
             continue
         a, b = fc.get(key), ft.get(key)
-        if not _same(key, a, b):
+        if differs(key):
             item: dict[str, Any] = {"key": key, "control": a, "treatment": b}
             if key in WITHIN_TOLERANCE:
                 item["tolerance"] = TOLERANCE
@@ -84,12 +110,13 @@ def same_caliber(control: dict[str, Any], treatment: dict[str, Any], allow: set[
             "under_test": sorted(under_test)}
 
 
-def input_lengths(manifest: Mapping[str, Any], summary: Mapping[str, Any]) -> dict[str, Any]:
+def input_lengths(manifest: Manifest | None, summary: Summary) -> dict[str, Any]:
     """One arm's input lengths: asked (mean of the spec), measured before the run (manifest) and by its records."""
-    fixed = manifest.get("fixed") or {}
+    fixed = manifest.fixed if manifest is not None else {}
+    server = manifest.server if manifest is not None else {}
     return {"asked_mean": asked_mean(manifest), "calibrated_mean": fixed.get("workload.input_tokens_measured"),
-            "records_mean": levels_input_mean(summary.get("levels") or []),
-            "method": ((manifest.get("server") or {}).get("input_lengths") or {}).get("method")}
+            "records_mean": levels_input_mean(summary.levels),
+            "method": (server.get("input_lengths") or {}).get("method")}
 
 
 class _KeptColumns:
@@ -142,15 +169,19 @@ def _boot(samples: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
     stacked = np.vstack(draws)
     if stacked.shape[0] > 1:  # resample repeats too
         pick = rng.integers(0, stacked.shape[0], size=(BOOTSTRAP, stacked.shape[0]))
-        return np.median(np.take_along_axis(stacked.T, pick, axis=1), axis=1)
-    return stacked[0]
+        medians: np.ndarray = np.median(np.take_along_axis(stacked.T, pick, axis=1), axis=1)
+        return medians
+    first: np.ndarray = stacked[0]
+    return first
 
 
 def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None = None,
             allow: set[str] | None = None, seed: int = 0) -> dict[str, Any]:
+    """``compare.json``'s content (checked against :class:`~kvcap.rundir.compare.Comparison`) and, under
+    ``summaries``, the two arms' :class:`~kvcap.rundir.summary.Summary` (for the reports)."""
     rc, rt = RunDir(control_dir), RunDir(treatment_dir)
     mc, mt = rc.manifest, rt.manifest
-    slo = slo if slo is not None else (mc.get("slo") or mt.get("slo") or {})
+    slo = slo if slo is not None else (rc.slo or rt.slo)
     kc, kt = _KeptColumns(), _KeptColumns()
     sc, st = build_summary(rc, slo, reader=kc), build_summary(rt, slo, reader=kt)
     lengths = {"control": input_lengths(mc, sc), "treatment": input_lengths(mt, st)}
@@ -158,32 +189,31 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
         MEASURED_INPUT: (lengths["control"]["records_mean"], lengths["treatment"]["records_mean"])})
     rng = np.random.default_rng(seed)
     gc, gt = _good_tokens(kc, slo), _good_tokens(kt, slo)
-    arms = {}
+    arms: dict[str, ArmResult] = {}
     for name, summ in (("control", sc), ("treatment", st)):
-        cap = summ["capacity"]
-        best = max(summ["levels"], key=lambda lv: lv["goodput_tok_s"], default=None)
-        arms[name] = {"effective": cap["effective"], "resident": cap["resident"],
-                      "resident_source": cap["resident_source"], "stress_limit": cap["stress_limit"],
-                      "goodput_tok_s": best["goodput_tok_s"] if best else 0.0,
-                      "goodput_level": best["level"] if best else None, "limited_by": cap["limited_by"],
-                      "arm": summ.get("arm") or name}
+        cap = summ.capacity
+        best = best_goodput_level(summ.levels)
+        arms[name] = ArmResult(effective=cap.effective, resident=cap.resident, resident_source=cap.resident_source,
+                               stress_limit=cap.stress_limit, goodput_tok_s=best.goodput_tok_s if best else 0.0,
+                               goodput_level=best.level if best else None, limited_by=cap.limited_by,
+                               arm=summ.arm or name)
+    control, treatment = arms["control"], arms["treatment"]
     # noise of the best-goodput difference
-    lc, lt = arms["control"]["goodput_level"], arms["treatment"]["goodput_level"]
+    lc, lt = control.goodput_level, treatment.goodput_level
     bc = _boot(gc.get(float(lc), [np.zeros(1)]), rng) if lc is not None else np.zeros(BOOTSTRAP)
     bt = _boot(gt.get(float(lt), [np.zeros(1)]), rng) if lt is not None else np.zeros(BOOTSTRAP)
     diff = bt - bc
     lo, hi = (float(x) for x in np.percentile(diff, [2.5, 97.5]))
-    gain = {"delta_tok_s": round(arms["treatment"]["goodput_tok_s"] - arms["control"]["goodput_tok_s"], 3),
-            "ci95": [round(lo, 3), round(hi, 3)], "beyond_noise": lo > 0 or hi < 0}
+    gain = GoodputGain(delta_tok_s=round(treatment.goodput_tok_s - control.goodput_tok_s, 3),
+                       ci95=[round(lo, 3), round(hi, 3)], beyond_noise=lo > 0 or hi < 0)
     per_level = _per_level(sc, st, gc, gt, rng)
-    verdict = decide(arms["control"], arms["treatment"], lo, hi)
-    ec, et = arms["control"]["effective"], arms["treatment"]["effective"]
+    verdict = decide(control, treatment, lo, hi)
+    ec, et = control.effective, treatment.effective
     efficiency = None
-    if ec and et and ec != et and arms["control"]["goodput_tok_s"] > 0:
-        efficiency = round((arms["treatment"]["goodput_tok_s"] / arms["control"]["goodput_tok_s"] - 1)
-                           / (et / ec - 1), 4)
+    if ec and et and ec != et and control.goodput_tok_s > 0:
+        efficiency = round((treatment.goodput_tok_s / control.goodput_tok_s - 1) / (et / ec - 1), 4)
     warnings = []
-    took_effect = treatment_took_effect(sc, st)
+    took_effect = treatment_took_effect(sc.levels, st.levels)
     if took_effect is False:
         warnings.append("no server-side sign that the treatment took effect (no more requests running or parked)")
     elif took_effect is None:
@@ -191,58 +221,59 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
                         "took effect")
     if not caliber["equal"]:
         warnings.append("fixed variables differ: " + ", ".join(d["key"] for d in caliber["differences"]))
-    return {"verdict": verdict, "control": arms["control"], "treatment": arms["treatment"],
-            "goodput_gain": gain, "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths,
-            "slo": slo,
-            "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
-            "diagnosis": diagnose(sc, "control") + diagnose(st, "treatment"),
-            "summaries": {"control": sc, "treatment": st}}
+    comparison = Comparison.model_validate({
+        "verdict": verdict, "control": control, "treatment": treatment, "goodput_gain": gain,
+        "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths, "slo": slo,
+        "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
+        "diagnosis": diagnose(sc.levels, "control") + diagnose(st.levels, "treatment")})
+    return {**comparison.to_json(), "summaries": {"control": sc, "treatment": st}}
 
 
-def decide(c: dict[str, Any], t: dict[str, Any], lo: float, hi: float) -> str:
-    """DESIGN.md's definitions, with 'beyond noise' = the 95% interval of the goodput difference excludes 0."""
-    ec, et = c["effective"] or 0, t["effective"] or 0
+def decide(c: ArmResult, t: ArmResult, lo: float, hi: float) -> str:
+    """The verdicts as docs/run-directory.md defines them (compare.json), with 'beyond noise' = the 95% interval
+    of the goodput difference excludes 0."""
+    ec, et = c.effective or 0, t.effective or 0
     if et < ec or hi < 0:
         return "regression"
     if et > ec and lo > 0:
         return "performance-scaling"
-    if (t["resident"] or 0) > (c["resident"] or 0):
+    if (t.resident or 0) > (c.resident or 0):
         return "capacity-only"
     return "no-gain"
 
 
-def _per_level(sc: dict[str, Any], st: dict[str, Any], gc: dict, gt: dict,
+def _per_level(sc: Summary, st: Summary, gc: dict[float, list[np.ndarray]], gt: dict[float, list[np.ndarray]],
                rng: np.random.Generator) -> list[dict[str, Any]]:
-    tl = {lv["level"]: lv for lv in st["levels"]}
+    tl = {lv.level: lv for lv in st.levels}
     out = []
-    for lc in sc["levels"]:
-        lt = tl.get(lc["level"])
+    for lc in sc.levels:
+        lt = tl.get(lc.level)
         if lt is None:
             continue
-        level = float(lc["level"])
+        level = float(lc.level)
         d = _boot(gt.get(level, [np.zeros(1)]), rng) - _boot(gc.get(level, [np.zeros(1)]), rng)
         lo, hi = np.percentile(d, [2.5, 97.5])
-        out.append({"level": lc["level"], "mode": lc["mode"],
-                    "output_tok_s": [lc["output_tok_s"], lt["output_tok_s"]],
-                    "goodput_tok_s": [lc["goodput_tok_s"], lt["goodput_tok_s"]],
+        out.append({"level": lc.level, "mode": lc.mode,
+                    "output_tok_s": [lc.output_tok_s, lt.output_tok_s],
+                    "goodput_tok_s": [lc.goodput_tok_s, lt.goodput_tok_s],
                     "goodput_delta_ci95": [round(float(lo), 3), round(float(hi), 3)],
-                    "ttft_p95_ms": [lc["ttft_ms"]["p95"], lt["ttft_ms"]["p95"]],
-                    "tpot_p95_ms": [lc["tpot_ms"]["p95"], lt["tpot_ms"]["p95"]],
-                    "slo_ok": [lc["slo_ok"], lt["slo_ok"]],
-                    "server_running_max": [lc.get("server_running_max"), lt.get("server_running_max")],
-                    "server_parked_max": [lc.get("server_parked_max"), lt.get("server_parked_max")]})
+                    "ttft_p95_ms": [lc.ttft_ms.p95, lt.ttft_ms.p95],
+                    "tpot_p95_ms": [lc.tpot_ms.p95, lt.tpot_ms.p95],
+                    "slo_ok": [lc.slo_ok, lt.slo_ok],
+                    "server_running_max": [lc.server_running_max, lt.server_running_max],
+                    "server_parked_max": [lc.server_parked_max, lt.server_parked_max]})
     return out
 
 
-def treatment_took_effect(sc: dict[str, Any], st: dict[str, Any]) -> bool | None:
+def treatment_took_effect(control: list[LevelSummary], treatment: list[LevelSummary]) -> bool | None:
     """True/False from server telemetry (more requests held — running, or parked in a tier — at the same level);
     None without telemetry."""
-    def held(lv: dict[str, Any]) -> float | None:
-        running = lv.get("server_running_max")
-        return None if running is None else running + (lv.get("server_parked_max") or 0)
+    def held(lv: LevelSummary) -> float | None:
+        running = lv.server_running_max
+        return None if running is None else running + (lv.server_parked_max or 0)
 
-    pairs = [(held(a), held(b)) for a in sc["levels"] for b in st["levels"] if a["level"] == b["level"]]
-    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    pairs = [(x, y) for a in control for b in treatment if a.level == b.level
+             and (x := held(a)) is not None and (y := held(b)) is not None]
     if not pairs:
         return None
     return any(b > a for a, b in pairs)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvcap.calibrate.observe import Observation
-from kvcap.calibrate.simulate import StepCost, cost_from
+from kvcap.calibrate.simulate import StepCost
 from kvcap.errors import InputError
 from kvcap.specs.scenario import ServingSpec
 
@@ -160,7 +160,10 @@ def closed_form(obs: list[Observation], slots: int, front_end: bool = False,
     if floor:
         notes.append(f"floor: the pure decode step at the smallest batch ({floor * 1e3:.3f} ms) is over "
                      f"{FLOOR_GAP:.0%} above the line through the larger ones: a step takes at least that")
-    return cost_from((base, per_decode, ppt, per_ctx, per_request, floor, per_waiting)), stderr, notes
+    cost = StepCost(base=float(base), per_decode=float(per_decode), per_prefill_token=float(ppt),
+                    per_context_token=float(per_ctx), per_request=float(per_request), floor=float(floor),
+                    per_waiting=float(per_waiting))
+    return cost, stderr, notes
 
 
 FLOOR_GAP = 0.05
@@ -170,8 +173,7 @@ FLOOR_GAP = 0.05
 def step_floor(obs: list[Observation], b: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     """(floor, the levels the line goes through). The decode step of a real server is a roofline — flat while
     something the batch does not change sets it, a line above — and a line through small batches alone
-    understates what each sequence costs at the batches a what-if asks about (llama.cpp on CPU: 0.68, 0.79 and
-    1.19 ms pure steps at 1, 2 and 4 sequences, 2.02 ms at 8 — a line through all three said 1.82). Told only
+    understates what each sequence costs at the batches a what-if asks about. Told only
     from the records' pure steps at three batch sizes or more (TPOT mixes in the prompts; two points make any
     line): the smallest batch's step, when over :data:`FLOOR_GAP` above the line through the others, is the
     floor, and the line goes through the others."""

@@ -10,6 +10,8 @@ from kvcap.analysis.summary import build_summary
 from kvcap.calibrate.steps import step_splits
 from kvcap.errors import InputError
 from kvcap.rundir import RunDir
+from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.summary import LevelSummary, Percentiles
 from kvcap.specs.lengths import parse_length
 from kvcap.workload.trace import TraceRow
 
@@ -70,24 +72,24 @@ class ServerFacts:
     prefix_caching: bool | None = None
 
 
-def _ms(block: dict[str, Any] | None, key: str) -> float | None:
-    v = (block or {}).get(key)
+def _ms(block: Percentiles, key: str) -> float | None:
+    v = getattr(block, key)
     return None if v is None else float(v) / 1000.0
 
 
-def level_observation(run: str, lv: dict[str, Any], arrival: str = "poisson",
+def level_observation(run: str, lv: LevelSummary, arrival: str = "poisson",
                       window: tuple[float | None, float | None, int | None, int] = (None, None, None, 0),
                       length_shapes: tuple[str | None, str | None] = (None, None)) -> Observation | None:
     """A summary level → an observation; None when it has no successful request to learn from."""
-    ttft50, tpot50 = _ms(lv.get("ttft_ms"), "p50"), _ms(lv.get("tpot_ms"), "p50")
-    if not lv.get("ok") or ttft50 is None or tpot50 is None:
+    ttft50, tpot50 = _ms(lv.ttft_ms, "p50"), _ms(lv.tpot_ms, "p50")
+    if not lv.ok or ttft50 is None or tpot50 is None:
         return None
     return Observation(
-        run=run, mode=str(lv["mode"]), level=float(lv["level"]), ttft_p50=ttft50,
-        ttft_p95=_ms(lv["ttft_ms"], "p95") or ttft50, tpot_p50=tpot50, tpot_p95=_ms(lv["tpot_ms"], "p95") or tpot50,
-        throughput=float(lv.get("output_tok_s") or 0.0), input_tokens=float(lv.get("input_tokens_mean") or 0.0),
-        output_tokens=float(lv.get("output_tokens_mean") or 0.0), in_flight=lv.get("in_flight_mean"),
-        running_max=lv.get("server_running_max"), kv_usage_max=lv.get("kv_usage_max"), arrival=arrival,
+        run=run, mode=lv.mode, level=float(lv.level), ttft_p50=ttft50,
+        ttft_p95=_ms(lv.ttft_ms, "p95") or ttft50, tpot_p50=tpot50, tpot_p95=_ms(lv.tpot_ms, "p95") or tpot50,
+        throughput=float(lv.output_tok_s or 0.0), input_tokens=float(lv.input_tokens_mean or 0.0),
+        output_tokens=float(lv.output_tokens_mean or 0.0), in_flight=lv.in_flight_mean,
+        running_max=lv.server_running_max, kv_usage_max=lv.kv_usage_max, arrival=arrival,
         window=window, length_shapes=length_shapes)
 
 
@@ -98,8 +100,8 @@ def with_steps(obs: list[Observation], records: list[dict[str, Any]]) -> list[Ob
             for o in obs]
 
 
-def server_facts(manifest: dict[str, Any]) -> ServerFacts:
-    s = manifest.get("server") or {}
+def server_facts(manifest: Manifest | None) -> ServerFacts:
+    s = manifest.server if manifest is not None else {}
 
     def num(key: str) -> int | None:
         v = s.get(key)
@@ -134,14 +136,14 @@ def observe(paths: list[str | Path]) -> tuple[list[Observation], ServerFacts]:
         run = RunDir(path)
         manifest = run.manifest
         summary = build_summary(run)
-        fixed = manifest.get("fixed") or {}
+        fixed = manifest.fixed if manifest is not None else {}
         arrival = str(fixed.get("load.arrival") or "poisson")
         window = (fixed.get("load.warmup"), fixed.get("load.duration"), fixed.get("load.requests"),
                   int(fixed.get("load.seed") or 0))
         shapes = measured_shapes(run, fixed.get("workload.input_tokens"), fixed.get("workload.output_tokens"))
-        got = [o for lv in summary["levels"]
+        got = [o for lv in summary.levels
                if (o := level_observation(str(path), lv, arrival, window,
-                                          shapes.get((str(lv["mode"]), float(lv["level"])), (None, None))))
+                                          shapes.get((lv.mode, float(lv.level)), (None, None))))
                is not None]
         got = with_steps(got, run.records())
         if any(o.mode == "trace" for o in got):
@@ -165,7 +167,7 @@ def measured_shapes(run: RunDir, input_spec: Any, output_spec: Any) -> Shapes:
     """Per (mode, level): the (prompt, output) length shapes its successful measured requests had, for specs that
     asked for a distribution; None for a fixed length (or a spec that does not parse): the measured mean is
     replayed then. Measured, not asked: the server counts the tokens, and what a bench realises of the asked
-    spread can be narrower (a lognormal:200,100 came back with cv 0.35, not 0.5). Each level its own: a level
+    spread can be narrower. Each level its own: a level
     held out of the fit lends nothing to the others."""
     kinds = [_kind(input_spec), _kind(output_spec)]
     if not any(kinds):
@@ -205,13 +207,12 @@ def sent_schedule(run: RunDir, level: float, warmup_s: float) -> tuple[TraceRow,
     """The rows a trace level sent, from its first repeat's records: each request's scheduled send time (its
     ``start_s``: latencies count from it) less the level's start (its measured window's start less the warm-up),
     its prompt and the output it asked for. Hash ids are not in records: prefix reuse is not replayed."""
-    infos = [i for i in run.levels() if i.get("mode") == "trace" and float(i["level"]) == level
-             and int(i.get("repeat", 0)) == 0]
+    infos = [i for i in run.levels() if i.mode == "trace" and float(i.level) == level and i.repeat == 0]
     recs = [r for r in run.records() if r.get("mode") == "trace" and float(r["level"]) == level
             and int(r.get("repeat", 0)) == 0]
     if not recs:
         return ()
-    t0 = float(infos[0]["measure_start_s"]) - warmup_s if infos else min(float(r["start_s"]) for r in recs)
+    t0 = infos[0].measure_start_s - warmup_s if infos else min(float(r["start_s"]) for r in recs)
     return tuple(sorted((TraceRow(max(float(r["start_s"]) - t0, 0.0), max(int(r["input_tokens"]), 1),
                                   max(int(r.get("requested_output_tokens") or r["output_tokens"]), 1))
                          for r in recs), key=lambda row: row.arrival_s))

@@ -175,8 +175,7 @@ def extrapolation(calibration: dict[str, Any] | None, input_mean: float) -> str 
 def batch_extrapolation(calibration: dict[str, Any] | None, peak: int) -> str | None:
     """The note ``kvcap sim`` prints when a calibrated scenario ran far more sequences at once than the profile
     did: the step's cost per sequence was measured only up to there, and real steps bend past it (the roofline's
-    flat part ends; on the published RTX 4090 runs the median gap of a line fitted at up to 16 in flight was
-    +21…+48% at 39–77, its TPOT within 9% on the Llama sets only where cheap prompts made up for it)."""
+    flat part ends), so a line fitted on small batches may not hold at large ones."""
     span = (calibration or {}).get("profiled_batch")
     if not span or peak <= span[1] * PROFILED_SPAN:
         return None

@@ -152,15 +152,14 @@ def limits(fitted: list[Observation], budget: int | None,
     """What the fitted levels could not show, said once: a what-if along that axis extrapolates the fit.
 
     - One prompt length: TTFT holds the front end's time per request plus the prefill of that length; a second
-      length is what tells the two apart (a profile at 64 tokens predicted 1,024-token prompts' TTFT 46-68% low
-      on the project's batching server).
+      length is what tells the two apart.
     - The per-step token budget: a profile that never offered more prompt tokens at once than the scenario's
       budget cannot show whether the server batches more in a step; the scenario keeps the engine's default
       (``budget``; None: the fit chose no budget, having seen more).
     - Prefix-cache hits: where the model and GPU are known (``prefill_floor``: seconds a prompt of N tokens takes
       at least, :mod:`kvcap.calibrate.prefill_floor`), a fitted level whose TTFT p50 is below its prompts' floor
-      was served from the server's cache, and the fitted prompt cost is a cache hit's (on published vLLM sets
-      fitted on such levels, the first cold run's TTFT came out 10-13% low at best)."""
+      was served from the server's cache, and the fitted prompt cost is a cache hit's, so prompts the server has
+      not seen will take longer than predicted."""
     out: list[str] = []
     levels = [o for o in fitted if o.mode != "trace"]
     if levels and len(levels) == len(fitted) and not any(o.length_shapes[0] for o in levels):

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvcap.calibrate.observe import Observation, level_observation, with_steps
 from kvcap.rundir import RunDir
+from kvcap.rundir.summary import Summary
 from kvcap.sim.run import SimConfig, run_sim
 from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import StepCost, build_scenario
@@ -75,8 +76,8 @@ def groups(obs: list[Observation]) -> dict[Group, list[Observation]]:
 def group_sections(key: Group, levels: list[float], tpot_s: float) -> dict[str, Any]:
     """The workload and load sections of one simulated run: the run's own window (warm-up, then its duration or
     count) and, open loop, its seed. A closed loop's users start together, and the phase they start in fades
-    over many requests: a window of a few requests each measures that start, not the steady state (TTFT 404 ms
-    in a 6 s window of 8 users, 287 ms after 60 s, on one server), so the simulator measures the same window.
+    over many requests: a window of a few requests each measures that start, not the steady state, so the
+    simulator measures the same window.
     A closed loop of unknown window: a warm-up of a few requests' length, then a count."""
     mode, n_in, n_out, arrival, (warmup, measured, requests, seed) = key
     if mode == "trace":  # the rows sent, each request's own lengths: replayed whole after the same warm-up
@@ -104,9 +105,9 @@ def simulate(base: dict[str, Any], obs: list[Observation], tpot_hint_s: float) -
             data = {**base, **group_sections(gkey, [o.level for o in members], tpot_hint_s)}
             scenario = build_scenario(data, "calibrated scenario")
             plan = LoadPlan.from_spec(scenario.load, trace=members[0].trace if gkey[0] == "trace" else ())
-            summary = run_sim(SimConfig(scenario=scenario, plan=plan, out=Path(tmp) / f"g{i}", record_itl=True,
-                                        overwrite=True))
-            by_level = {float(lv["level"]): lv for lv in summary["levels"]}
+            summary = Summary.model_validate(run_sim(SimConfig(scenario=scenario, plan=plan, out=Path(tmp) / f"g{i}",
+                                                               record_itl=True, overwrite=True)))
+            by_level = {float(lv.level): lv for lv in summary.levels}
             got: dict[tuple[str, str, float], Observation] = {}
             for o in members:
                 lv = by_level.get(o.level) if gkey[0] != "trace" else next(iter(by_level.values()), None)

@@ -59,7 +59,7 @@ def register(sub: common.Subparsers) -> None:
 def cmd_ab(a: argparse.Namespace) -> int:
     import asyncio
 
-    from kvcap.experiment import SimExperiment, load_any_experiment
+    from kvcap.ab.experiment import SimExperiment, load_any_experiment
 
     exp = what_if(a.experiment, a.treatment) if a.treatment else load_any_experiment(a.experiment)
     if isinstance(exp, SimExperiment):
@@ -73,7 +73,7 @@ def cmd_ab(a: argparse.Namespace) -> int:
 
 def what_if(scenario: str, treatment: list[str]) -> Any:
     """One scenario as two simulated arms: ``control`` as written, ``treatment`` with the given keys set."""
-    from kvcap.experiment import SimArm, SimExperiment
+    from kvcap.ab.experiment import SimArm, SimExperiment
     from kvcap.specs.scenario import load_scenario, parse_set
 
     sets = parse_set(treatment)
@@ -84,7 +84,7 @@ def what_if(scenario: str, treatment: list[str]) -> Any:
 
 def _real_experiment(path: str, sets: list[str] | None) -> Any:
     """The experiment file of two real arms, with --set applied and validated again."""
-    from kvcap.experiment import Experiment, load_experiment
+    from kvcap.ab.experiment import Experiment, load_experiment
     from kvcap.specs.scenario import apply_overrides, parse_set, with_displaced
 
     exp = load_experiment(path)
@@ -107,7 +107,7 @@ def _real_experiment(path: str, sets: list[str] | None) -> Any:
 async def _run_real_ab(exp: Any, out: Path, quiet: bool) -> dict:
     import asyncio
 
-    from kvcap.experiment import run_experiment
+    from kvcap.ab.real import run_experiment
 
     stop = asyncio.Event()
     common.on_stop_signals(stop.set)
@@ -116,7 +116,7 @@ async def _run_real_ab(exp: Any, out: Path, quiet: bool) -> dict:
 
 def run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, quiet: bool, prog: str = "ab") -> int:
     """Simulates both arms of a scenario experiment (`--set` applies to both), compares, reports and prints."""
-    from kvcap.experiment import run_sim_experiment
+    from kvcap.ab.simulated import run_sim_experiment
     from kvcap.specs.scenario import parse_set
 
     out = Path(out_dir)

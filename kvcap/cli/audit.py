@@ -1,6 +1,6 @@
 """`kvcap audit`: check a capacity table someone hands you against itself (and, given a model, against VRAM).
 
-The checks live in kvcap.analysis.audit; this module only reads the flags, builds the optional capacity plan
+The checks live in kvcap.audit; this module only reads the flags, builds the optional capacity plan
 for the VRAM check and prints the findings.
 """
 
@@ -44,8 +44,8 @@ def register(sub: common.Subparsers) -> None:
 
 
 def cmd_audit(a: argparse.Namespace) -> int:
-    from kvcap.analysis.audit import audit_table
-    from kvcap.analysis.table import read_table
+    from kvcap.audit.across_levels import audit_table
+    from kvcap.audit.table import read_table
 
     rows = read_table(a.table)
     plan_result = _vram_plan(a) if a.model else None

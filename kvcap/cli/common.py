@@ -13,9 +13,12 @@ import json
 import sys
 import textwrap
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from kvcap.errors import InputError
+
+if TYPE_CHECKING:
+    from kvcap.rundir.summary import Summary
 
 Subparsers = argparse._SubParsersAction
 """What `ArgumentParser.add_subparsers` returns: each command module's `register` adds its parsers to it."""
@@ -164,15 +167,54 @@ def allowed_differences(text: str | None) -> set[str]:
     return {k.strip() for k in (text or "").split(",") if k.strip()}
 
 
-def print_notes(prog: str, summary: dict[str, Any]) -> None:
-    """The summary's warnings and why the run failed, on stderr: what ``bench`` says when it ends, ``analyze`` and
-    ``sim`` say too (a re-analysed run keeps its ``failed``), so no reader of a run misses them."""
+def print_notes(prog: str, summary: Summary | dict[str, Any], arm: str | None = None,
+                interrupted: bool = False) -> None:
+    """The summary's warnings and why the run failed or stopped, on stderr: what ``bench`` says when it ends,
+    ``analyze``, ``report`` and ``sim`` say too (a re-analysed run keeps its ``failed``), so no reader of a run misses
+    them. ``arm``: whose notes (a pair's report); ``interrupted``: also say so (where no table said it)."""
     import sys
 
+    who = f"kvcap {prog}: " + (f"{arm}: " if arm else "")
+    summary = _as_dict(summary)
     for warning in summary.get("warnings") or []:
-        print(f"kvcap {prog}: warning: {warning}", file=sys.stderr)
+        print(f"{who}warning: {warning}", file=sys.stderr)
+    stopped = summary.get("stopped")
     if summary.get("failed"):
-        print(f"kvcap {prog}: {summary['failed']}", file=sys.stderr)
+        print(f"{who}{summary['failed']}", file=sys.stderr)
+    elif isinstance(stopped, dict):
+        print(f"{who}stopped: {stopped.get('reason')}", file=sys.stderr)
+    if interrupted and summary.get("interrupted"):
+        print(f"{who}interrupted: the summary covers the requests that finished", file=sys.stderr)
+
+
+OUTCOME_KEYS = ("interrupted", "stopped", "failed")
+"""How a run ended, as only the recording command knew it (``bench``'s summary.json)."""
+
+
+def carry_outcome(summary: Summary | dict[str, Any], run: Any) -> None:
+    """Into a freshly built ``summary``: how ``run`` ended — from its summary.json where the recording command
+    wrote one, else from its level lines (a killed run has no summary: each line says ``stopped``/``interrupted``)."""
+    old = run.summary.to_json() if run.summary is not None else {}
+    outcome: dict[str, Any] = {key: old[key] for key in OUTCOME_KEYS if key in old}
+    if not outcome:
+        lines = [line.to_json() for line in run.levels()]
+        stopped = next((line["stopped"] for line in lines if line.get("stopped")), None)
+        if any(line.get("interrupted") for line in lines):
+            outcome["interrupted"] = True
+        if stopped:
+            from kvcap.loadgen.guard import run_failure
+
+            outcome["stopped"] = stopped
+            outcome["failed"] = run_failure({**_as_dict(summary), **outcome})
+    for key, value in outcome.items():
+        if isinstance(summary, dict):
+            summary[key] = value
+        else:
+            setattr(summary, key, value)
+
+
+def _as_dict(summary: Summary | dict[str, Any]) -> dict[str, Any]:
+    return summary if isinstance(summary, dict) else summary.to_json()
 
 
 def print_build_note(prog: str) -> None:

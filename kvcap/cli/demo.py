@@ -35,7 +35,7 @@ def register(sub: common.Subparsers) -> None:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from kvcap.experiment import load_any_experiment, packaged_scenario
+    from kvcap.ab.experiment import load_any_experiment, packaged_scenario
 
     exp = load_any_experiment(str(packaged_scenario("seed-reference-ab.yaml")))
     return run_sim_ab(exp, a.out, a.set, a.json, a.quiet, prog="demo")

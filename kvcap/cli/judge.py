@@ -52,13 +52,15 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     from kvcap.rundir import SUMMARY, RunDir, write_json_atomic
 
     run = RunDir(a.dir)
-    old = run.summary or {}
+    recorded = run.summary
+    old = recorded.to_json() if recorded is not None else {}
     # the column copies written where missing or stale (a run of an older version, copies deleted): the next
     # analyze, report or compare of a big run skips the JSON parse
-    summary = build_summary(run, slo=common.optional_slo(a.slo), write_copies=True)
+    summary = build_summary(run, slo=common.optional_slo(a.slo), write_copies=True).to_json()
     for key in KEPT_SUMMARY_KEYS:
         if key in old:
             summary[key] = old[key]
+    common.carry_outcome(summary, run)  # a killed run (no old summary): its level lines say how it ended
     fresh = summary.get("warnings") or []  # the run's own (e.g. Ray clock offsets) stay beside the recomputed
     summary["warnings"] = [*fresh, *(w for w in old.get("warnings") or [] if w not in fresh)]
     write_json_atomic(run.dir / SUMMARY, summary)

@@ -7,6 +7,7 @@ report does not refuse runs whose fixed variables differ: the report shows the d
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,8 @@ def _report_one(run_dir: str, slo: Any, out: Path) -> None:
 
     run = RunDir(run_dir)
     summary = build_summary(run, slo)
+    common.carry_outcome(summary, run)
+    common.print_notes("report", summary, interrupted=True)
     write_html_single(out, summary, run, title=f"kvcap report: {run_dir}")
     out.with_suffix(".md").write_text(render_markdown_single(summary))
 
@@ -86,6 +89,11 @@ def _report_pair(control: str, treatment: str, slo: Any, allow: set[str], out: P
     from kvcap.rundir import RunDir
 
     result = compare(control, treatment, slo=slo, allow=allow)
+    for warning in result["warnings"]:
+        print(f"kvcap report: warning: {warning}", file=sys.stderr)
+    for arm, run_dir in (("control", control), ("treatment", treatment)):
+        common.carry_outcome(result["summaries"][arm], RunDir(run_dir))
+        common.print_notes("report", result["summaries"][arm], arm=arm, interrupted=True)
     write_html(out, result, {"control": RunDir(control), "treatment": RunDir(treatment)},
                title=f"kvcap: {control} vs {treatment}")
     out.with_suffix(".md").write_text(render_markdown(result))

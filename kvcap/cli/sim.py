@@ -148,7 +148,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
         from kvcap.calibrate.output import batch_extrapolation, queue_extrapolation
         from kvcap.rundir import RunDir
 
-        infos = [lv.get("sim", {}) for lv in RunDir(cfg.out).levels()]
+        infos = [lv.sim.to_json() if lv.sim is not None else {} for lv in RunDir(cfg.out).levels()]
         peak = max((int(s.get("running_peak") or 0) for s in infos), default=0)
         waiting = max((int(s.get("waiting_peak") or 0) for s in infos), default=0)
         for far in (batch_extrapolation(cfg.scenario.calibration, peak),

@@ -73,6 +73,16 @@ class BenchConfig:
     """``--placement``: spread the Ray workers over nodes, or pack them together."""
 
 
+def file_sha256(path: str | Path) -> str:
+    """A file's content digest: compare judges a dataset by it, so the same file at two paths is the same workload
+    and an edited file at the same path is not."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, started: float,
               epoch_at_origin: float) -> Manifest:
     t = cfg.target
@@ -82,7 +92,9 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
         "workload.input_tokens": cfg.input_dist.spec if cfg.dataset is None else None,
         "workload.input_tokens_measured": cfg.lengths.measured_mean if cfg.lengths else None,
         "workload.output_tokens": cfg.output_dist.spec,
-        "workload.dataset": cfg.dataset, "workload.prefix_tokens": cfg.prefix_tokens,
+        "workload.dataset": cfg.dataset,
+        **({"workload.dataset_sha256": file_sha256(cfg.dataset)} if cfg.dataset else {}),
+        "workload.prefix_tokens": cfg.prefix_tokens,
         "workload.prefix_groups": cfg.prefix_groups, "workload.unique_prefix": cfg.unique_prefix,
         "workload.prompt_set": factory.identity(), "workload.tokenizer": Path(cfg.tokenizer).name if cfg.tokenizer else None,
         "decoding.temperature": t.temperature, "decoding.force_length": t.force_length,
@@ -170,7 +182,7 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
         await session.close()
         prom = await _fetch_prometheus(cfg, writer, epoch_at_origin, started) if cfg.prometheus else {}
         writer.close()
-    summary = build_summary(RunDir(cfg.out), slo=cfg.slo, write_copies=True)
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo, write_copies=True).to_json()
     if prom:
         summary["prometheus"] = prom
     summary["interrupted"] = interrupted

@@ -13,6 +13,7 @@ A connection goes back to the pool only when its response was read to the end an
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from functools import lru_cache
 from urllib.parse import urlsplit
 
 from kvcap import __version__
+
+log = logging.getLogger(__name__)
 
 MAX_HEAD = 1 << 16
 MORE, DRAIN, ABORT = 0, 1, 2
@@ -367,8 +370,9 @@ class Pool:
     async def _refill(self, ep: Endpoint) -> None:
         try:
             conn = await self.open(ep, 10.0)
-        except HttpError:
-            return  # the next request meets (and classifies) whatever is wrong
+        except HttpError as exc:  # the next request meets (and classifies) whatever is wrong
+            log.debug("pool refill to %s failed: %s", ep.key, exc)
+            return
         if self.closed:
             conn.close()
         else:

@@ -22,6 +22,7 @@ prompts keep being built by it, and the server still checks them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import sys
 import time
@@ -44,6 +45,8 @@ WARN_ERROR_PCT = 2.0
 TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=5)
 PROBES_AT_ONCE = 4
 """Concurrent ``max_tokens=1`` probes, where the server has no /tokenize."""
+
+log = logging.getLogger(__name__)
 
 Count = Callable[[RequestSpec], Awaitable[int | None]]
 """The server's ``usage.prompt_tokens`` for a request, or None when it cannot tell."""
@@ -185,10 +188,12 @@ class ServerCounts:
         assert self.session is not None
         try:
             async with self.session.post(self.base + path, json=body) as r:
-                if r.status != 200:
+                if r.status != 200:  # no such endpoint here: the next way of counting is tried
+                    log.debug("%s%s answered HTTP %s: not this way of counting", self.base, path, r.status)
                     return None
                 return await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # as for a refusal: the next way
+            log.debug("%s%s did not count: %s: %s", self.base, path, type(exc).__name__, exc)
             return None
 
     def _input(self, req: RequestSpec) -> tuple[str | None, list[dict[str, Any]] | None]:

@@ -13,6 +13,7 @@ is left to the run's error rule, since it may be transient.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any
@@ -28,6 +29,8 @@ PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
 REFUSED_STATUSES = frozenset({400, 401, 403, 404, 405, 422})
 """Answers to the tiny request that every request of the run would get too."""
 ENGINES = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}
+
+log = logging.getLogger(__name__)
 
 
 def server_base(url: str) -> str:
@@ -70,6 +73,8 @@ async def probe_server(target: Target) -> dict[str, Any]:
                 why = unreachable(exc)
                 if why is not None and path == "/v1/models":  # nothing answers there: skip the other paths
                     raise EndpointError(f"cannot reach {base}: {why}") from None
+                # a fact the manifest goes without: the model check below still decides
+                log.debug("no server facts from %s%s: %s: %s", base, path, type(exc).__name__, exc)
                 continue
             _read_facts(info, path, data)
         await _pool_facts(s, base, info)
@@ -122,15 +127,16 @@ async def _pool_facts(session: aiohttp.ClientSession, base: str, info: dict[str,
         async with session.get(base + "/metrics") as r:
             text = await r.text() if r.status == 200 else ""
         info.update(cache_config(text))
-    except Exception:
-        pass
+    except Exception as exc:  # the pool facts are optional: the manifest goes without them
+        log.debug("no KV pool facts from %s/metrics: %s: %s", base, type(exc).__name__, exc)
     if "num_gpu_blocks" in info:
         return
     for path in SERVER_INFO:
         try:
             async with session.get(base + path) as r:
                 data = await r.json(content_type=None) if r.status == 200 else None
-        except Exception:
+        except Exception as exc:  # not SGLang, or it did not answer: the pool facts are optional
+            log.debug("no server info from %s%s: %s: %s", base, path, type(exc).__name__, exc)
             continue
         if isinstance(data, dict):
             info.update(sglang_facts(data))
@@ -145,7 +151,8 @@ def cache_config(text: str) -> dict[str, Any]:
         return {}
     try:
         families = list(text_string_to_metric_families(text))
-    except Exception:
+    except Exception as exc:  # a page Prometheus' parser refuses: the pool facts are optional
+        log.debug("unparsable /metrics page, no KV pool facts read from it: %s: %s", type(exc).__name__, exc)
         return {}
     samples = [smp for fam in families if fam.name == CACHE_CONFIG for smp in fam.samples]
     if not samples:

@@ -2,18 +2,23 @@
 
 Each actor is one worker of ``--workers``: its own event loop (an async actor), its own connection pool, its share
 of every level exactly as a local worker process takes it (kvcap.loadgen.share). The driver starts each level on
-all actors together, pulls their records in batches (one call per actor every ``DRAIN_S``), and writes them to the
-one run directory. Each actor times with its own monotonic clock; the driver maps it onto its own axis by an
+all actors together and keeps one call open per actor that returns as soon as the actor has news (records,
+level lines, requests started; at the latest after ``DRAIN_S``), so what an actor finished reaches the driver, and
+the one run directory, a round trip later rather than at the next poll. Each actor times with its own monotonic
+clock; the driver maps it onto its own axis by an
 offset measured by pings at the start and at the end (``offset = worker − (t0 + t1) / 2``, ± ``(t1 − t0) / 2``).
-A worker whose node is lost ends the run for that worker only: its requests in flight are written as
-``cancelled`` with the reason, and the summary names it (``lost_workers``).
+A worker whose node is lost ends the run for that worker only: the records it streamed up to its loss are kept,
+its requests in flight are written as ``cancelled`` with the reason, and the summary names it (``lost_workers``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +30,8 @@ from kvcap.rundir import RecordTags, RequestRecord
 from kvcap.workload.prompts import RequestSpec, TokenCounter
 
 DRAIN_S = 0.1
-"""How often the driver pulls each actor's finished records (one Ray call per actor per period)."""
+"""The longest an actor holds the driver's open drain call without news: then it answers empty, and the driver
+looks at the level's state (stop, error rule, the level call's return) before asking again."""
 PINGS = 15
 """Clock pings per measurement; the one with the shortest round trip gives the offset."""
 CALL_TIMEOUT_S = 10.0
@@ -33,6 +39,8 @@ CALL_TIMEOUT_S = 10.0
 MAX_UNCERTAINTY_S = 1e-3
 """Above this clock-offset uncertainty a worker's start_s could be misplaced by more than a millisecond: warn."""
 PLACEMENTS = ("spread", "pack")
+
+log = logging.getLogger(__name__)
 
 
 def import_ray() -> Any:
@@ -44,16 +52,36 @@ def import_ray() -> Any:
     return ray
 
 
+GRPC_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+"""HTTP/2's client preface and an empty SETTINGS frame: a Ray head (its GCS is a gRPC server) answers with its own
+SETTINGS frame at once; anything else listening there (a web server, a closed door) does not."""
+SETTINGS_FRAME = 0x04
+
+
 def ray_head_refusal(address: str, timeout_s: float = 5.0) -> str | None:
     """Why a HOST:PORT Ray head does not answer (None when it does, or for ``auto`` and ``ray://``, left to Ray):
-    one line now instead of ``ray.init``'s minutes of retries. ``bench --ray`` and ``search --ray`` both ask."""
+    one line now instead of ``ray.init``'s minutes of retries against a port where nothing, or something else than
+    a Ray head, listens. ``bench --ray`` and ``search --ray`` both ask."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "://" in address:
         return None
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(GRPC_HELLO)
+            head = b""
+            while len(head) < 4:
+                more = conn.recv(9 - len(head))
+                if not more:
+                    break
+                head += more
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
     except OSError as exc:
         return str(exc.strerror or exc)
+    if len(head) < 4 or head[3] != SETTINGS_FRAME:
+        log.debug("%s answered %r to an HTTP/2 preface", address, head[:9])
+        return "something listens there, but not a Ray head (no gRPC answer)"
     return None
 
 
@@ -98,12 +126,16 @@ class _TrackedRunner(Runner):
     """A Runner that tells its actor which requests are in flight, so a lost node's are still recorded."""
 
     inflight: dict[tuple[float, int, int], RequestRecord] | None = None
+    news: asyncio.Event | None = None
+    """Set when a request starts: the actor's open drain call answers with it."""
 
     async def _send(self, session: Any, req: RequestSpec, t_sched: float, tags: RecordTags) -> RequestRecord:
         placeholder = to_record(Outcome(t_sched=t_sched, t_sent=t_sched, error="cancelled"), req, None, tags)
         key = request_key(placeholder)
         if self.inflight is not None:
             self.inflight[key] = placeholder
+        if self.news is not None:
+            self.news.set()
         try:
             return await super()._send(session, req, t_sched, tags)
         finally:
@@ -129,6 +161,8 @@ class BenchWorker:
         self.session: Any = None
         self.stop_event: asyncio.Event | None = None
         self.halt_event: asyncio.Event | None = None
+        self.news = asyncio.Event()
+        """Set by a finished record, a level line or a request started: what the driver's open drain waits for."""
 
     def identity(self) -> dict[str, Any]:
         import os
@@ -147,19 +181,28 @@ class BenchWorker:
             return
         runner = share_runner(self.cfg, self.w, level, origin, self, self.counter, self.factory, self.stop_event,
                               self.halt_event, runner_cls=_TrackedRunner)
-        runner.inflight = self.inflight
+        runner.inflight, runner.news = self.inflight, self.news
         await runner.run_level(self.session, level, repeat)
 
     def record(self, rec: dict[str, Any]) -> None:
         rec["host"], rec["node_id"] = self.host, self.node_id
         self.records.append(rec)
+        self.news.set()
 
     def level(self, info: dict[str, Any]) -> None:
         info["client"] = {**info["client"], "worker": self.w, "host": self.host, "node_id": self.node_id}
         self.levels.append(info)
+        self.news.set()
 
-    def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-        """(finished records, finished level lines, requests newly in flight) since the last drain."""
+    async def drain(self, wait_s: float = 0.0) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                                        list[dict[str, Any]]]:
+        """(finished records, finished level lines, requests newly in flight) since the last drain — at once when
+        there are any, else as soon as there are, or empty after ``wait_s``."""
+        if wait_s > 0 and not (self.records or self.levels or self.inflight.keys() - self.reported):
+            self.news.clear()
+            # nothing new in wait_s: an empty answer lets the driver look at the level's state
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.news.wait(), wait_s)
         records, levels = self.records, self.levels
         self.records, self.levels = [], []
         started = [rec for key, rec in self.inflight.items() if key not in self.reported]
@@ -212,8 +255,9 @@ class RayPool:
         reachable(self.address)
         try:
             ray.init(address=self.address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
-        except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise InputError(f"--ray {self.address}: cannot connect to the Ray cluster ({exc})") from None
+        except (ConnectionError, ValueError, RuntimeError) as exc:  # as search --ray: exit 1, one line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EndpointError(f"cannot join the Ray cluster at {self.address}: {first}") from None
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -263,34 +307,38 @@ class RayPool:
                     return client_stats, stop.is_set(), stopped
                 refs = {ws.w: ws.actor.run_level.remote(level, repeat, origin + ws.clock_start[0]) for ws in live}
                 infos: list[dict[str, Any]] = []
-                halted = False
+
+                def take(batch: tuple[list, list, list], infos: list[dict[str, Any]] = infos) -> None:
+                    nonlocal stopped
+                    records, levels, _ = batch
+                    for rec in records:
+                        key = (rec["level"], rec["repeat"])
+                        if key not in started_levels:
+                            started_levels.add(key)
+                            progress.level_start(plan.mode, rec["level"], rec["repeat"],
+                                                 (plan.warmup_s + plan.duration_s) if plan.duration_s else None)
+                        writer.record(rec)
+                        progress.on_record(rec)
+                    for info in levels:
+                        infos.append(info)
+                        client_stats.append(info["client"])
+                        if info.get("stopped") and stopped is None:
+                            stopped = info["stopped"]
+
+                follow = [asyncio.create_task(self._follow(ws, refs[ws.w], take)) for ws in live]
+                halted = stopping = False
                 while True:
-                    finished = await self._level_done(refs)
-                    if stop.is_set():
+                    done, _ = await asyncio.wait(follow, timeout=DRAIN_S)
+                    if stop.is_set() and not stopping:
+                        stopping = True
                         await self._broadcast(live, halt=False)
-                    for batch in await asyncio.gather(*(self._drain(ws) for ws in live)):
-                        if batch is None:
-                            continue
-                        records, levels, _ = batch
-                        for rec in records:
-                            key = (rec["level"], rec["repeat"])
-                            if key not in started_levels:
-                                started_levels.add(key)
-                                progress.level_start(plan.mode, rec["level"], rec["repeat"],
-                                                     (plan.warmup_s + plan.duration_s) if plan.duration_s else None)
-                            writer.record(rec)
-                            progress.on_record(rec)
-                        for info in levels:
-                            infos.append(info)
-                            client_stats.append(info["client"])
-                            if info.get("stopped") and stopped is None:
-                                stopped = info["stopped"]
                     if stopped is not None and not halted:
                         halted = True
                         await self._broadcast(live, halt=True)
-                    if finished:
+                    if len(done) == len(follow):
                         break
-                    await asyncio.sleep(DRAIN_S)
+                for task in follow:
+                    task.result()  # a bug in the collecting logic surfaces here, not as a silently short run
                 for ws in live:
                     if ws.lost is not None and ws.inflight:
                         self._write_lost(ws, writer)
@@ -300,26 +348,34 @@ class RayPool:
                     progress.level_end(merged)
         return client_stats, stop.is_set(), stopped
 
-    async def _level_done(self, refs: dict[int, Any]) -> bool:
-        """True once every live actor's level call has returned (or its actor is lost)."""
-        for ws in self.workers:
-            ref = refs.get(ws.w)
-            if ref is None or ws.lost is not None:
-                continue
-            done, _ = self.ray.wait([ref], timeout=0)
-            if not done:
-                return False
-            try:
-                self.ray.get(done[0], timeout=0)
-            except Exception as exc:  # any failure of the actor: a lost worker, not a crash
-                self._lose(ws, exc)
+    async def _follow(self, ws: WorkerState, ref: Any, take: Callable[[tuple[list, list, list]], None]) -> None:
+        """Actor ``ws``'s records as it finishes them, into ``take``, until its level call has returned and the
+        last of them is in (or it is lost: then what it streamed is kept, its requests in flight stay known)."""
+        while ws.lost is None:
+            returned = self._returned(ws, ref)
+            batch = await self._drain(ws, wait_s=0.0 if returned else DRAIN_S)
+            if batch is not None:
+                take(batch)
+            if returned:
+                return
+
+    def _returned(self, ws: WorkerState, ref: Any) -> bool:
+        """Whether the actor's level call has returned; a failure of the actor marks the worker lost."""
+        done, _ = self.ray.wait([ref], timeout=0)
+        if not done:
+            return False
+        try:
+            self.ray.get(done[0], timeout=0)
+        except Exception as exc:  # any failure of the actor: a lost worker, not a crash
+            self._lose(ws, exc)
         return True
 
-    async def _drain(self, ws: WorkerState) -> tuple[list, list, list] | None:
+    async def _drain(self, ws: WorkerState, wait_s: float = 0.0) -> tuple[list, list, list] | None:
         if ws.lost is not None:
             return None
         try:
-            records, levels, started = await self._call(ws, ws.actor.drain.remote())
+            records, levels, started = await self._call(ws, ws.actor.drain.remote(wait_s),
+                                                        timeout=CALL_TIMEOUT_S + wait_s)
         except Exception as exc:
             self._lose(ws, exc)
             return None
@@ -334,6 +390,7 @@ class RayPool:
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reply"
             reason = f"{type(exc).__name__}: {text}"
             ws.lost = reason if len(reason) <= 200 else reason[:197] + "..."
+            log.debug("worker %d lost: %s", ws.w, reason)
 
     def _write_lost(self, ws: WorkerState, writer: Any) -> None:
         """The lost worker's requests in flight at its last drain, as ``cancelled`` records with the reason."""
@@ -365,15 +422,15 @@ class RayPool:
         for ws in self.workers:
             try:
                 ray.kill(ws.actor)
-            except Exception:  # already gone with its node
-                pass
+            except Exception as exc:  # already gone with its node: nothing left to stop
+                log.debug("worker %d not killed (already gone): %s: %s", ws.w, type(exc).__name__, exc)
         if self.group is not None:
             try:
                 from ray.util.placement_group import remove_placement_group
 
                 remove_placement_group(self.group)
-            except Exception:
-                pass
+            except Exception as exc:  # the cluster frees it when this driver disconnects (ray.shutdown below)
+                log.debug("placement group not removed: %s: %s", type(exc).__name__, exc)
         ray.shutdown()
 
     def clock_report(self) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@ summary.
 
 Everything here presents what the analysis computed (summaries, compare results, telemetry series); the judging
 stays in ``kvcap.analysis``. The package may import ``kvcap.analysis``, ``kvcap.rundir``, ``kvcap.plan``,
-``kvcap.units`` and ``kvcap.errors`` — never the load generator, the simulator, the CLI or ``kvcap.experiment``
+``kvcap.units`` and ``kvcap.errors`` — never the load generator, the simulator, the CLI or ``kvcap.ab``
 (they call into it, not the other way round).
 
 - ``console.py``: terminal tables; ``live.py``: progress bars while a benchmark runs.

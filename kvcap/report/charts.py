@@ -113,7 +113,8 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
         if step >= raw:
             break
     start = math.ceil(lo / step - 1e-9) * step
-    ticks, v = [], start
+    ticks: list[float] = []
+    v = start
     while v <= hi + 1e-9 * step and len(ticks) < 50:
         ticks.append(round(v, 10))
         v += step

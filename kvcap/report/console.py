@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
@@ -111,12 +113,12 @@ def _render_fit_options(r: PlanResult, con: Console) -> None:
     con.print(t)
 
 
-def _ms(d: dict | None, q: str) -> str:
+def _ms(d: dict[str, Any] | None, q: str) -> str:
     v = (d or {}).get(q)
     return "–" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def render_levels(summary: dict, console: Console | None = None, title: str = "Per-level results") -> None:
+def render_levels(summary: dict[str, Any], console: Console | None = None, title: str = "Per-level results") -> None:
     """One row per level: counts, throughput, TTFT/TPOT/ITL/E2E p50/p95/p99, queue, SLO verdict.
 
     On a narrow terminal (< 140 columns) only p50/p95 of TTFT, TPOT and E2E are shown (summary.json has them all).
@@ -159,7 +161,7 @@ def render_levels(summary: dict, console: Console | None = None, title: str = "P
         con.print("[yellow]interrupted: the summary covers the requests that finished[/yellow]")
 
 
-def render_compare(result: dict, console: Console | None = None) -> None:
+def render_compare(result: dict[str, Any], console: Console | None = None) -> None:
     """Verdict first, then the three numbers per arm, then the per-level differences."""
     con = console or make_console()
     colour = {"performance-scaling": "green", "capacity-only": "yellow", "no-gain": "white",
@@ -187,7 +189,7 @@ def render_compare(result: dict, console: Console | None = None) -> None:
                 "server running max") + (("parked max",) if parked else ()):
         lv.add_column(col, justify="right" if col != "level" else "left")
 
-    def pair(x: list, fmt: str = "{:.0f}") -> str:
+    def pair(x: list[Any], fmt: str = "{:.0f}") -> str:
         return " → ".join("–" if v is None else fmt.format(v) for v in x)
 
     for row in result["per_level"]:

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcap.analysis.summary import build_summary
-from kvcap.analysis.telemetry import read_telemetry, series
+from kvcap.analysis.telemetry import Telemetry, read_telemetry, series
 from kvcap.report.charts import thin
 from kvcap.report.format import ARMS, is_finite
 from kvcap.rundir import RunDir
+from kvcap.rundir.levels import LevelRow
+from kvcap.rundir.summary import Summary
 
 Rows = list[dict[str, Any]]
 
@@ -30,8 +32,10 @@ class Arm:
     run: RunDir | None = None
 
 
-def capacity(summary: dict[str, Any]) -> dict[str, Any]:
+def capacity(summary: Summary | dict[str, Any]) -> dict[str, Any]:
     """The summary's capacities (effective, resident, stress limit, what limited them); empty if it has none."""
+    if isinstance(summary, Summary):
+        return summary.capacity.to_json()
     return summary.get("capacity") or {}
 
 
@@ -66,23 +70,19 @@ def coerce_runs(runs: dict[str, Any] | None) -> dict[str, RunDir]:
 
 
 def arm_summaries(result: dict[str, Any], runs: dict[str, RunDir]) -> dict[str, dict[str, Any]]:
-    """Per-arm summaries: from the result, else rebuilt from the run directories, else from ``per_level``."""
+    """Per-arm summaries as the report reads them (``summary.json``'s shape, which a rebuilt one has only in part):
+    from the result, else rebuilt from the run directories, else from ``per_level``."""
     have = result.get("summaries") or {}
     out: dict[str, dict[str, Any]] = {}
     for i, arm in enumerate(ARMS):
-        if have.get(arm):
-            out[arm] = have[arm]
+        given = have.get(arm)
+        if given:
+            out[arm] = given.to_json() if isinstance(given, Summary) else given
         elif arm in runs:
-            out[arm] = build_summary(runs[arm], result.get("slo") or {})
+            out[arm] = build_summary(runs[arm], result.get("slo") or {}).to_json()
         else:
             out[arm] = {"levels": levels_from_per_level(result, i), "capacity": {}, "slo": result.get("slo") or {}}
     return out
-
-
-def best_goodput_level(levels: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
-    """The level with the highest finite goodput, or None."""
-    return max((lv for lv in levels if is_finite(lv.get("goodput_tok_s"))), key=lambda lv: lv["goodput_tok_s"],
-               default=None)
 
 
 def modes_in(arms: Sequence[Arm]) -> list[str]:
@@ -112,29 +112,26 @@ def level_values(arms: Sequence[Arm], mode: str) -> list[float]:
     return sorted({float(lv["level"]) for a in arms for lv in mode_levels(a.summary, mode)})
 
 
-def telemetry_series(rows: Rows, name: str, node: str | None = None) -> list[tuple[float, float]]:
+def telemetry_series(rows: Telemetry | Rows, name: str, node: str | None = None) -> list[tuple[float, float]]:
     """The analysis' series of ``name`` (summed, averaged or maximised over labels as the analysis does),
     thinned to at most ``MAX_POINTS`` for plotting."""
     return thin(series(rows, name, node=node))
 
 
-def level_windows(levels: Iterable[dict[str, Any]]) -> Rows:
+def level_windows(levels: Iterable[LevelRow]) -> Rows:
     """One entry per (mode, level, repeat) — workers merged — with its full span and its measured window."""
     merged: dict[tuple[str, float, int], dict[str, Any]] = {}
     for info in levels:
-        try:
-            key = (str(info.get("mode", "concurrency")), float(info["level"]), int(info.get("repeat", 0)))
-        except (KeyError, TypeError, ValueError):
-            continue
-        m = merged.setdefault(key, {"mode": key[0], "level": info["level"], "repeat": key[2]})
+        key = (info.mode, float(info.level), info.repeat)
+        m = merged.setdefault(key, {"mode": key[0], "level": info.level, "repeat": key[2]})
         for k, f in (("t_start_s", min), ("measure_start_s", min), ("t_end_s", max), ("measure_end_s", max)):
-            v = info.get(k)
+            v = getattr(info, k)
             if is_finite(v):
                 m[k] = f(m[k], v) if k in m else v
     return sorted(merged.values(), key=lambda m: m.get("t_start_s", m.get("measure_start_s", 0.0)))
 
 
-def run_telemetry(run: RunDir | None) -> tuple[Rows, Rows] | None:
+def run_telemetry(run: RunDir | None) -> tuple[Telemetry, Rows] | None:
     """A run's telemetry rows (one source kind per metric) and its level windows; None without a run directory
     or when its files cannot be read."""
     if run is None:

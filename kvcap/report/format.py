@@ -9,7 +9,9 @@ from __future__ import annotations
 import html
 import json
 import math
-from typing import Any
+from typing import Any, TypeGuard
+
+from kvcap.rundir.summary import Summary
 
 ARMS = ("control", "treatment")
 """The two arms of a compare, in the order every report shows them."""
@@ -29,7 +31,7 @@ def esc(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def is_finite(v: Any) -> bool:
+def is_finite(v: Any) -> TypeGuard[float]:
     """A real number that can be plotted or printed as one (not a bool, not NaN or ±inf)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -87,3 +89,22 @@ def value_text(v: Any) -> str:
 def pair(v: Any) -> list[Any]:
     """A compare's ``[control, treatment]`` value, padded with None (anything not a list → two Nones)."""
     return list(v) + [None] * (2 - len(v)) if isinstance(v, list) else [None, None]
+
+
+INTERRUPTED = "interrupted: the summary covers the requests that finished"
+
+
+def run_notes(summary: Summary | dict[str, Any]) -> list[str]:
+    """A run's own warnings and how it ended early — failed or stopped by the error rule, interrupted — one line
+    each, as the reports list them beside the client's warnings; empty for a run that ended well."""
+    if not isinstance(summary, dict):
+        summary = summary.to_json()
+    notes = [str(w) for w in summary.get("warnings") or []]
+    stopped = summary.get("stopped")
+    if summary.get("failed"):
+        notes.append(f"run failed: {summary['failed']}")
+    elif isinstance(stopped, dict):
+        notes.append(f"run stopped: {stopped.get('reason')}")
+    if summary.get("interrupted"):
+        notes.append(INTERRUPTED)
+    return notes

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcap.report.data import Arm, arm_summaries, coerce_runs
-from kvcap.report.format import ARMS, VERDICT_MEANING, esc
+from kvcap.report.format import ARMS, VERDICT_MEANING, esc, run_notes
 from kvcap.report.plots import level_plots, node_charts, time_series
 from kvcap.report.tables import (
     findings,
@@ -27,6 +27,8 @@ from kvcap.report.tables import (
     single_key_numbers,
 )
 from kvcap.rundir import RunDir
+from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.summary import Summary
 
 ARM_COLOURS = {"control": "#1f6fb4", "treatment": "#e0661b"}
 SINGLE_COLOUR = "#1f6fb4"
@@ -81,18 +83,18 @@ def _page(title: str, subtitle: str, body: Sequence[str]) -> str:
             "</main>\n</body>\n</html>\n")
 
 
-def _run_line(label: str, run: RunDir | None, manifest: dict[str, Any]) -> str:
+def _run_line(label: str, run: RunDir | None, manifest: Manifest | None) -> str:
     """Which run a report is about: its label, directory, model(s), source and run id."""
     bits = [f"<b>{esc(label)}</b>"]
     if run is not None:
         bits.append(f"<code>{esc(run.dir)}</code>")
-    models = (manifest.get("server") or {}).get("models") or [(manifest.get("fixed") or {}).get("model.name")]
-    models = [m for m in models if m]
-    if models:
-        bits.append("model " + esc(", ".join(str(m) for m in models)))
-    for k in ("source", "run_id"):
-        if manifest.get(k):
-            bits.append(f"{esc(k)} {esc(manifest[k])}")
+    if manifest is not None:
+        models = [m for m in manifest.server.get("models") or [manifest.fixed.get("model.name")] if m]
+        if models:
+            bits.append("model " + esc(", ".join(str(m) for m in models)))
+        for k, v in (("source", manifest.source), ("run_id", manifest.run_id)):
+            if v:
+                bits.append(f"{esc(k)} {esc(v)}")
     return " · ".join(bits)
 
 
@@ -157,13 +159,14 @@ def render_html(result: dict[str, Any], runs: dict[str, RunDir] | None = None, t
     directories keyed ``control``/``treatment`` — add time series and the full fixed-variable table."""
     rd = coerce_runs(runs)
     summaries = arm_summaries(result, rd)
-    manifests = {arm: (rd[arm].manifest if arm in rd else {}) for arm in ARMS}
+    manifests = {arm: (rd[arm].manifest if arm in rd else None) for arm in ARMS}
     labels = {arm: _arm_label(result, arm) for arm in ARMS}
     arms = [Arm(labels[arm], ARM_COLOURS[arm], summaries[arm], rd.get(arm)) for arm in ARMS]
     warnings = list(result.get("warnings") or [])
     for arm in ARMS:
         for w in (summaries[arm].get("client") or {}).get("warnings", []) or []:
             warnings.append(f"{arm}: {w}")
+        warnings += [f"{arm}: {note}" for note in run_notes(summaries[arm])]
     body = [
         _verdict_box(result),
         '<h2 id="capacity">Capacity and goodput</h2>', key_numbers(result, labels),
@@ -179,24 +182,23 @@ def render_html(result: dict[str, Any], runs: dict[str, RunDir] | None = None, t
     return _page(title, sub, body)
 
 
-def render_html_single(summary: dict[str, Any], run: RunDir | None = None, title: str = "kvcap report") -> str:
+def render_html_single(summary: Summary, run: RunDir | None = None, title: str = "kvcap report") -> str:
     """One run (``kvcap report DIR``): the same plots with one series, capacities instead of a verdict."""
     if run is not None and not isinstance(run, RunDir):
         run = RunDir(run)
-    manifest = run.manifest if run is not None else {}
-    label = str(summary.get("arm") or manifest.get("arm") or "run")
-    arm = Arm(label, SINGLE_COLOUR, summary, run)
-    warnings = list((summary.get("client") or {}).get("warnings") or [])
-    if summary.get("interrupted"):
-        warnings.append("interrupted: the summary covers the requests that finished")
+    manifest = run.manifest if run is not None else None
+    label = str(summary.arm or (manifest.arm if manifest is not None else None) or "run")
+    view = summary.to_json()
+    arm = Arm(label, SINGLE_COLOUR, view, run)
+    warnings = [*((summary.client or {}).get("warnings") or []), *run_notes(view)]
     body = [
         '<h2 id="capacity">Capacity and goodput</h2>', single_key_numbers(summary),
-        *_evidence([arm], summary.get("slo") or {},
+        *_evidence([arm], summary.slo,
                    "Markers: solid = effective capacity, dotted = resident, dashed = stress limit. "
                    "Red dashed lines are SLO limits."),
         '<h2 id="fixed">Fixed variables</h2>', single_fixed_table(manifest),
-        *_diagnosis(summary.get("diagnosis") or [], warnings),
-        '<h2 id="raw">Raw per-level results</h2>', raw_table(summary),
+        *_diagnosis([f.to_json() for f in summary.diagnosis], warnings),
+        '<h2 id="raw">Raw per-level results</h2>', raw_table(view),
     ]
     return _page(title, _run_line(label, run, manifest), body)
 
@@ -209,7 +211,7 @@ def write_html(path: str | Path, result: dict[str, Any], runs: dict[str, RunDir]
     return p
 
 
-def write_html_single(path: str | Path, summary: dict[str, Any], run: RunDir | None = None,
+def write_html_single(path: str | Path, summary: Summary, run: RunDir | None = None,
                       title: str = "kvcap report") -> Path:
     """Write the single-run report; returns the path written."""
     p = Path(path)

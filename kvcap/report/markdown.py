@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcap.analysis.slo import format_slo
-from kvcap.report.format import ARMS, VERDICT_MEANING, fmt, fmtm, level_name, pair
+from kvcap.analysis.summary import best_goodput_level
+from kvcap.report.format import ARMS, VERDICT_MEANING, fmt, fmtm, level_name, pair, run_notes
+from kvcap.rundir.summary import Summary
 
 
 def md_escape(value: Any) -> str:
@@ -104,33 +106,32 @@ def render_markdown(result: dict[str, Any]) -> str:
                              "TTFT p95 C ms", "TTFT p95 T ms", "TPOT p95 C ms", "TPOT p95 T ms", "SLO C", "SLO T"],
                             rows, right=[False] + [True] * 9 + [False, False])]
     out += _bullets("Diagnosis", list(result.get("diagnosis") or []))
-    out += _bullets("Warnings", list(result.get("warnings") or []))
+    summaries = result.get("summaries") or {}
+    out += _bullets("Warnings", [*(result.get("warnings") or []),
+                                 *(f"{arm}: {note}" for arm in ARMS for note in run_notes(summaries.get(arm) or {}))])
     return "\n".join(out) + "\n"
 
 
-def render_markdown_single(summary: dict[str, Any]) -> str:
+def render_markdown_single(summary: Summary) -> str:
     """One run: capacities, then the per-level table, diagnosis and warnings."""
-    cap = summary.get("capacity") or {}
-    levels = summary.get("levels") or []
-    best = max((lv for lv in levels if isinstance(lv.get("goodput_tok_s"), (int, float))),
-               key=lambda lv: lv["goodput_tok_s"], default=None)
-    out = [f"### kvcap run{': ' + md_escape(summary['arm']) if summary.get('arm') else ''}", ""]
+    cap = summary.capacity
+    best = best_goodput_level(summary.levels)
+    out = [f"### kvcap run{': ' + md_escape(summary.arm) if summary.arm else ''}", ""]
     out += _table(["resident", "effective", "goodput tok/s (best level)", "stress limit", "limited by"],
-                  [[fmt(cap.get("resident")) + (f" ({cap['resident_source']})" if cap.get("resident_source") else ""),
-                    fmt(cap.get("effective")),
-                    f"{fmtm(best['goodput_tok_s'])} @ {fmt(best['level'])}" if best else "–",
-                    fmt(cap.get("stress_limit")), fmt(cap.get("limited_by"))]],
+                  [[fmt(cap.resident) + (f" ({cap.resident_source})" if cap.resident_source else ""),
+                    fmt(cap.effective),
+                    f"{fmtm(best.goodput_tok_s)} @ {fmt(best.level)}" if best else "–",
+                    fmt(cap.stress_limit), fmt(cap.limited_by)]],
                   right=[True, True, True, True, False])
-    if summary.get("slo"):
-        out += ["", f"SLO: {md_escape(format_slo(summary['slo']))}"]
-    rows = [[level_name(lv.get("mode"), lv.get("level")), fmtm(lv.get("output_tok_s")), fmtm(lv.get("goodput_tok_s")),
-             fmtm((lv.get("ttft_ms") or {}).get("p95")), fmtm((lv.get("tpot_ms") or {}).get("p95")),
-             _slo(lv.get("slo_ok")) + ("" if lv.get("slo_ok") or not lv.get("failed_checks")
-                                       else " " + ", ".join(map(str, lv["failed_checks"])))]
-            for lv in levels]
+    if summary.slo:
+        out += ["", f"SLO: {md_escape(format_slo(summary.slo))}"]
+    rows = [[level_name(lv.mode, lv.level), fmtm(lv.output_tok_s), fmtm(lv.goodput_tok_s),
+             fmtm(lv.ttft_ms.p95), fmtm(lv.tpot_ms.p95),
+             _slo(lv.slo_ok) + ("" if lv.slo_ok or not lv.failed_checks else " " + ", ".join(lv.failed_checks))]
+            for lv in summary.levels]
     if rows:
         out += ["", *_table(["level", "tok/s", "goodput", "TTFT p95 ms", "TPOT p95 ms", "SLO"], rows,
                             right=[False, True, True, True, True, False])]
-    out += _bullets("Diagnosis", list(summary.get("diagnosis") or []))
-    out += _bullets("Warnings", list((summary.get("client") or {}).get("warnings") or []))
+    out += _bullets("Diagnosis", [f.to_json() for f in summary.diagnosis])
+    out += _bullets("Warnings", [*((summary.client or {}).get("warnings") or []), *run_notes(summary.to_json())])
     return "\n".join(out) + "\n"

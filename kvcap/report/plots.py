@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvcap.analysis.telemetry import Telemetry
 from kvcap.analysis.telemetry_nodes import nodes
 from kvcap.report.charts import Band, HLine, LegendItem, Series, VLine, svg_chart
 from kvcap.report.data import (
@@ -158,14 +159,14 @@ def _kv_charts(label: str, kv: dict[str, list[tuple[float, float]]], style: dict
     return charts
 
 
-def _arm_time_series(a: Arm, rows: Rows, windows: Rows) -> str:
+def _arm_time_series(a: Arm, rows: Telemetry, windows: Rows) -> str:
     """One arm's charts over time; empty when it has neither request counts nor KV usage."""
     counts = {k: telemetry_series(rows, f"server.requests_{k}") for k in ("running", "waiting", "parked")}
     kv = {n: telemetry_series(rows, n) for n in KV_NAMES}
     kv = {n: s for n, s in kv.items() if s}
     if not (counts["running"] or counts["waiting"] or kv):
         return ""
-    style = {"x_label": TIME_AXIS, "bands": _window_bands(windows, with_repeat=True),
+    style: dict[str, Any] = {"x_label": TIME_AXIS, "bands": _window_bands(windows, with_repeat=True),
              "vlines": [VLine(w["t_start_s"], "", "#8a94a3", "3,3") for w in windows if "t_start_s" in w],
              "legend_extra": [LegendItem("measured window", "#c9ced6", box=True),
                               LegendItem("level start", "#8a94a3", "3,3")],

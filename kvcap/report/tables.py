@@ -8,8 +8,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvcap.analysis.slo import format_slo
-from kvcap.report.data import Arm, best_goodput_level, capacity, error_class_totals, quantile
+from kvcap.analysis.summary import best_goodput_level
+from kvcap.report.data import Arm, capacity, error_class_totals, quantile
 from kvcap.report.format import ARMS, esc, fmt, fmtm, is_finite, level_name, pair, signed, value_text
+from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.summary import Summary
 
 NOT_FIXED = {"target.url"}
 """Keys expected to differ between arms (two servers); shown, not flagged. Same set as ``compare`` uses."""
@@ -74,19 +77,18 @@ def _gain_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def single_key_numbers(summary: dict[str, Any]) -> str:
+def single_key_numbers(summary: Summary) -> str:
     """One run's capacities and best goodput, then its SLO (or why the SLO-bound numbers are missing)."""
-    cap = capacity(summary)
-    best = best_goodput_level(summary.get("levels") or [])
-    rows = [("resident requests", resident_text(cap, cap.get("resident_lower_bound"))),
-            ("effective capacity (within SLO)", fmt(cap.get("effective"))),
-            ("goodput tok/s (best level)",
-             f"{fmtm(best['goodput_tok_s'])} @ {fmt(best['level'])}" if best else "–"),
-            ("stress limit", fmt(cap.get("stress_limit"))), ("limited by", fmt(cap.get("limited_by")))]
+    cap = summary.capacity
+    best = best_goodput_level(summary.levels)
+    rows = [("resident requests", resident_text(cap.to_json(), cap.resident_lower_bound)),
+            ("effective capacity (within SLO)", fmt(cap.effective)),
+            ("goodput tok/s (best level)", f"{fmtm(best.goodput_tok_s)} @ {fmt(best.level)}" if best else "–"),
+            ("stress limit", fmt(cap.stress_limit)), ("limited by", fmt(cap.limited_by))]
     nums = ('<table class="keynums"><tbody>' + "".join(
         f'<tr><th>{esc(k)}</th><td class="num">{esc(v)}</td></tr>' for k, v in rows) + "</tbody></table>")
-    if summary.get("slo"):
-        return nums + f"<p>SLO: {esc(format_slo(summary['slo']))}</p>"
+    if summary.slo:
+        return nums + f"<p>SLO: {esc(format_slo(summary.slo))}</p>"
     return nums + '<p class="muted">No SLO given: effective capacity and goodput need one.</p>'
 
 
@@ -228,14 +230,15 @@ def _fixed_tag(k: str, a: Any, b: Any, differences: set[Any], under: set[Any], a
     return "", ""
 
 
-def fixed_table(result: dict[str, Any] | None, manifests: dict[str, dict[str, Any]]) -> str:
+def fixed_table(result: dict[str, Any] | None, manifests: dict[str, Manifest | None]) -> str:
     """Key, control, treatment — differences red, variables under test blue, expected differences grey."""
     fv = (result or {}).get("fixed_variables") or {}
     under = set(fv.get("under_test") or [])
     allowed = {d.get("key") for d in fv.get("allowed_differences") or []}
     differences = {d.get("key") for d in fv.get("differences") or []}
-    fc = (manifests.get("control") or {}).get("fixed") or {}
-    ft = (manifests.get("treatment") or {}).get("fixed") or {}
+    control, treatment = manifests.get("control"), manifests.get("treatment")
+    fc: dict[Any, Any] = dict(control.fixed) if control is not None else {}
+    ft: dict[Any, Any] = dict(treatment.fixed) if treatment is not None else {}
     note = ""
     if not fc and not ft:  # no run directories: only what the result lists
         for d in list(fv.get("allowed_differences") or []) + list(fv.get("differences") or []):
@@ -259,12 +262,12 @@ def fixed_table(result: dict[str, Any] | None, manifests: dict[str, dict[str, An
             "<th></th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
 
 
-def single_fixed_table(manifest: dict[str, Any]) -> str:
+def single_fixed_table(manifest: Manifest | None) -> str:
     """One run's fixed variables, those under test highlighted."""
-    fixed = manifest.get("fixed") or {}
-    if not fixed:
+    fixed = manifest.fixed if manifest is not None else {}
+    if not fixed or manifest is None:
         return '<p class="muted">No fixed variables recorded.</p>'
-    under = set(manifest.get("under_test") or [])
+    under = set(manifest.under_test)
     rows = [f'<tr class="{"under-test" if k in under else ""}"><td><code>{esc(k)}</code></td>'
             f"<td>{esc(value_text(v))}</td><td>{'under test' if k in under else ''}</td></tr>"
             for k, v in sorted(fixed.items(), key=lambda kv: str(kv[0]))]

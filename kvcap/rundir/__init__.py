@@ -2,7 +2,8 @@
 
 ``manifest.json`` (fixed variables, dotted keys), ``requests.jsonl`` (one record per finished request, appended
 and flushed as each finishes), ``levels.jsonl`` (one line per level: its windows and achieved load),
-``telemetry.jsonl`` (samples), ``summary.json``. Appending with a flush per record means a SIGKILL loses at most
+``telemetry.jsonl`` (samples), ``summary.json``. The contract is ``docs/run-directory.md``, generated from the
+models here (``manifest``, ``levels``, ``summary``: ``python -m kvcap.rundir.doc``). Appending with a flush per record means a SIGKILL loses at most
 the requests still in flight and a torn last line, which the readers skip.
 """
 
@@ -11,17 +12,24 @@ from __future__ import annotations
 import gc
 import json
 import os
-import platform
-import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import IO, Any, Literal, TypedDict
+from typing import IO, Any, TypedDict
 
-from kvcap import __version__
+from pydantic import ValidationError
+
 from kvcap.errors import InputError
+from kvcap.rundir.levels import LevelRow
+from kvcap.rundir.manifest import Manifest, host_facts
+from kvcap.rundir.model import RunModel
+from kvcap.rundir.summary import Summary
+
+__all__ = ["COLUMN_COPIES", "LEVELS", "MANIFEST", "RECORD_FIELDS", "REQUESTS", "REQUIRED_RECORD_FIELDS", "SUMMARY",
+           "TELEMETRY", "LevelRow", "Manifest", "RecordTags", "RequestRecord", "RunDir", "RunWriter", "Summary",
+           "host_facts", "iter_jsonl", "jsonl_chunks", "read_jsonl", "tpot_ms", "write_json_atomic"]
 
 MANIFEST = "manifest.json"
 REQUESTS = "requests.jsonl"
@@ -32,7 +40,7 @@ COLUMN_SUFFIX, COLUMN_INDEX_SUFFIX = ".columns", ".columns.json"
 COLUMN_COPIES = tuple(Path(jsonl).stem + suffix for jsonl in (REQUESTS, TELEMETRY)
                       for suffix in (COLUMN_SUFFIX, COLUMN_INDEX_SUFFIX))
 """Binary copies of what the analysis reads from ``requests.jsonl`` and ``telemetry.jsonl``, and their indexes
-(``analysis.column_file``): stale once those files change."""
+(``rundir.store.column_file``): stale once those files change."""
 
 
 # ---------------------------------------------------------------- the two schemas: one record, one manifest
@@ -48,7 +56,7 @@ class RecordTags(TypedDict):
 
 
 class _RecordCore(RecordTags):
-    """Fields every record carries, whoever wrote it (DESIGN.md's names)."""
+    """Fields every record carries, whoever wrote it (docs/run-directory.md)."""
 
     index: int
     start_s: float
@@ -98,52 +106,6 @@ def tpot_ms(ttft_ms: float | None, e2e_ms: float | None, output_tokens: int) -> 
     if ttft_ms is None or e2e_ms is None or output_tokens <= 1:
         return None
     return (e2e_ms - ttft_ms) / (output_tokens - 1)
-
-
-def host_facts() -> dict[str, Any]:
-    """Where a run ran (in every manifest)."""
-    return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "python": platform.python_version(), "cpus": os.cpu_count()}
-
-
-@dataclass
-class Manifest:
-    """``manifest.json``: the fixed variables (dotted keys, as scenario files spell them), what is under test,
-    where and when it ran, the server and the clock. ``bench`` and ``sim`` both write this one shape."""
-
-    source: Literal["bench", "sim"]
-    run_id: str
-    started_at: float
-    fixed: dict[str, Any]
-    server: dict[str, Any] = field(default_factory=dict)
-    arm: str | None = None
-    slo: dict[str, float] = field(default_factory=dict)
-    under_test: list[str] = field(default_factory=list)
-    scenario: str | None = None
-    """The scenario's name (sim)."""
-    header_names: list[str] | None = None
-    """Request header names (bench): names only, values (API keys) are never written."""
-    clock: dict[str, float] | None = None
-    """The run's time axis in wall-clock terms (``t_s = epoch − epoch_at_origin``), to align Prometheus samples."""
-    experiment: str | None = None
-    """The ``ab`` experiment this arm belongs to."""
-    host: dict[str, Any] = field(default_factory=host_facts)
-    notes: list[str] = field(default_factory=list)
-    """Precedence decisions taken on the inputs (a file key an override replaced), stated, not silent."""
-
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"tool": "kvcap", "tool_version": __version__, "source": self.source, "arm": self.arm,
-                             "run_id": self.run_id}
-        if self.scenario is not None:
-            d["scenario"] = self.scenario
-        d.update({"started_at": self.started_at, "host": self.host, "server": self.server, "slo": self.slo,
-                  "fixed": self.fixed, "under_test": self.under_test})
-        for key in ("header_names", "clock", "experiment"):
-            if getattr(self, key) is not None:
-                d[key] = getattr(self, key)
-        if self.notes:
-            d["notes"] = self.notes
-        return d
 
 
 # ---------------------------------------------------------------- writing
@@ -221,7 +183,7 @@ class RunWriter:
             for g in self._files.values():
                 g.flush()
 
-    def _append(self, name: str, obj: dict[str, Any]) -> None:
+    def _append(self, name: str, obj: Mapping[str, Any]) -> None:
         f = self._file(name)
         f.write(_line(obj))
         self._flush(f)
@@ -252,8 +214,8 @@ class RunWriter:
     def manifest(self, data: Manifest) -> None:
         write_json_atomic(self.dir / MANIFEST, data.to_json())
 
-    def summary(self, data: dict[str, Any]) -> None:
-        write_json_atomic(self.dir / SUMMARY, data)
+    def summary(self, data: Summary) -> None:
+        write_json_atomic(self.dir / SUMMARY, data.to_json())
 
     def close(self) -> None:
         for f in self._files.values():
@@ -262,6 +224,9 @@ class RunWriter:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    """``data`` (a run model as its file holds it) as indented JSON, replacing ``path`` at once."""
+    if isinstance(data, RunModel):
+        data = data.to_json()
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")
     os.replace(tmp, path)
@@ -342,21 +307,34 @@ class RunDir:
         if not (self.dir / MANIFEST).exists() and not (self.dir / REQUESTS).exists():
             raise InputError(f"{str(self.dir)!r} is not a kvcap run directory (no manifest.json or requests.jsonl)")
 
-    @property
-    def manifest(self) -> dict[str, Any]:
+    @cached_property
+    def manifest(self) -> Manifest | None:
+        """``manifest.json`` (read once); None when the run has none (a killed run's requests alone)."""
         p = self.dir / MANIFEST
         if not p.exists():
-            return {}
+            return None
         try:
-            return json.loads(p.read_text())
+            return Manifest.model_validate(json.loads(p.read_text()))
         except json.JSONDecodeError:
             raise InputError(f"{str(p)!r} is not valid JSON") from None
+        except ValidationError as exc:
+            raise InputError(f"{str(p)!r} is not a kvcap manifest: {_first_error(exc)}") from None
+
+    @property
+    def slo(self) -> dict[str, float]:
+        """The SLO the run was recorded with ({} without a manifest)."""
+        return dict(self.manifest.slo) if self.manifest is not None else {}
 
     def records(self) -> list[dict[str, Any]]:
         return read_jsonl(self.dir / REQUESTS)
 
-    def levels(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.dir / LEVELS)
+    def levels(self) -> list[LevelRow]:
+        """``levels.jsonl``'s lines (a torn last line skipped)."""
+        p = self.dir / LEVELS
+        try:
+            return [LevelRow.model_validate(row) for row in read_jsonl(p)]
+        except ValidationError as exc:
+            raise InputError(f"{str(p)!r}: a line is not a kvcap level line: {_first_error(exc)}") from None
 
     def telemetry(self) -> list[dict[str, Any]]:
         return read_jsonl(self.dir / TELEMETRY)
@@ -366,6 +344,19 @@ class RunDir:
         return iter_jsonl(self.dir / TELEMETRY)
 
     @property
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self) -> Summary | None:
+        """``summary.json`` (read each time: ``analyze`` rewrites it); None before the run was analysed."""
         p = self.dir / SUMMARY
-        return json.loads(p.read_text()) if p.exists() else None
+        if not p.exists():
+            return None
+        try:
+            return Summary.model_validate(json.loads(p.read_text()))
+        except json.JSONDecodeError:
+            raise InputError(f"{str(p)!r} is not valid JSON") from None
+        except ValidationError as exc:
+            raise InputError(f"{str(p)!r} is not a kvcap summary: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    return f"{'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}"

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcap.analysis.summary import best_goodput_level
 from kvcap.errors import EndpointError, InputError
-from kvcap.report.data import best_goodput_level
 from kvcap.rundir import COLUMN_COPIES, SUMMARY, _dumps, read_jsonl, write_json_atomic
+from kvcap.rundir.summary import Summary
 from kvcap.search import pareto
 from kvcap.search.grid import Prices, Target, baseline, expand, point_name
 from kvcap.sim.cluster import cluster_model
@@ -143,17 +144,19 @@ def _simulate(task: PointTask, out: Path) -> dict[str, Any]:
     return summary
 
 
-def row_of(task: PointTask, summary: dict[str, Any], gpus: int, cost: float, run_dir: str) -> dict[str, Any]:
+def row_of(task: PointTask, summary: Summary | dict[str, Any], gpus: int, cost: float,
+           run_dir: str) -> dict[str, Any]:
     """A finished point as its points.jsonl row: the analysis' capacities (summary.json's ``capacity``) and
     the best level's goodput (as ``compare`` reports it). Nothing timed: rows must compare equal across runs."""
-    cap = summary.get("capacity") or {}
-    best = best_goodput_level(summary.get("levels") or [])
-    return {"index": task.index, "point": task.point, "effective": cap.get("effective"),
-            "resident": cap.get("resident"), "stress_limit": cap.get("stress_limit"),
-            "goodput_tok_s": best["goodput_tok_s"] if best else 0.0, "goodput_level": best["level"] if best else None,
-            "limited_by": cap.get("limited_by"), "resident_source": cap.get("resident_source"),
-            "resident_lower_bound": cap.get("resident_lower_bound"),
-            "plan_resident": (summary.get("sim") or {}).get("plan_resident"), "failed": bool(summary.get("failed")),
+    summ = summary if isinstance(summary, Summary) else Summary.model_validate(summary)
+    cap = summ.capacity
+    best = best_goodput_level(summ.levels)
+    return {"index": task.index, "point": task.point, "effective": cap.effective,
+            "resident": cap.resident, "stress_limit": cap.stress_limit,
+            "goodput_tok_s": best.goodput_tok_s if best else 0.0, "goodput_level": best.level if best else None,
+            "limited_by": cap.limited_by, "resident_source": cap.resident_source,
+            "resident_lower_bound": cap.resident_lower_bound,
+            "plan_resident": summ.sim.plan_resident if summ.sim is not None else None, "failed": bool(summ.failed),
             "gpus": gpus, "cost": cost, "meets_target": False, "run_dir": run_dir}
 
 

@@ -70,7 +70,7 @@ async def sleep_until(loop: asyncio.AbstractEventLoop, when: float, record: bool
 class PreciseEpollSelector(selectors.EpollSelector):
     """epoll waits whole milliseconds and asyncio rounds *up*, so timers fire up to 1 ms late. Rounding down
     instead wakes the loop up to 1 ms early; it then polls without blocking until the deadline. That costs a
-    little CPU when idle and buys sub-100 µs timer accuracy, which the timing truths need."""
+    little CPU when idle and buys timers that fire at their deadline, which the timing truths need."""
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if timeout is not None and timeout > 0:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcap.plan import PlanInputs, PlanResult, kv_bytes_per_sequence, plan, resolve
-from kvcap.sim.cost import CostModel, cost_model
+from kvcap.sim.cost import cost_model
 from kvcap.sim.cost_empirical import EmpiricalCost
 from kvcap.sim.engine import Simulation
 from kvcap.sim.kv import Tier
@@ -17,8 +17,9 @@ from kvcap.sim.links import Link, LinkSet
 from kvcap.sim.policy import SchedulingPolicy
 from kvcap.sim.policy_llamacpp import LlamaCppPolicy
 from kvcap.sim.policy_vllm import VllmPolicy
-from kvcap.sim.replica import ReplicaConfig
+from kvcap.sim.replica_state import ReplicaConfig
 from kvcap.sim.request import SimRequest
+from kvcap.sim.step_cost import StepCostModel
 from kvcap.specs.scenario import Scenario
 
 
@@ -71,23 +72,24 @@ class ClusterModel:
                 kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=sv.hash_block_tokens,
                 prefix_caching=sv.enable_prefix_caching and sv.engine == "vllm", park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
                 node=nodes[0], host_link=host_link,
-                nic_links=tuple(nics[n] for n in nodes), policy=policy, blocks_for=blocks_for,
+                nic_links=tuple(nics[n] for n in nodes), blocks_for=blocks_for,
                 max_model_len=inputs.model.max_position_embeddings or None))
         overhead = sv.step_cost.per_request if sv.step_cost is not None else 0.0
-        sim = Simulation(configs, tiers, links, routing=sv.routing, pool_links=pool, on_finish=on_finish,
+        sim = Simulation(configs, tiers, links, policy, routing=sv.routing, pool_links=pool, on_finish=on_finish,
                          request_overhead_s=overhead)
         sim.max_span = self.max_span
         return sim
 
 
-def _cost(cm: ClusterModel) -> CostModel | EmpiricalCost:
+def _cost(cm: ClusterModel) -> StepCostModel:
     """``serving.step_cost`` when measured, else the roofline for the model on the GPU."""
     sc, inputs = cm.scenario, cm.inputs
     sv = sc.serving
     if sv.step_cost is not None:
         c = sv.step_cost
-        return EmpiricalCost(inputs.model, c.base, c.per_decode, c.per_prefill_token, c.per_context_token,
-                             c.floor, c.per_waiting)
+        return EmpiricalCost(inputs.model, base=c.base, per_decode=c.per_decode,
+                             per_prefill_token=c.per_prefill_token, per_context_token=c.per_context_token,
+                             floor=c.floor, per_waiting=c.per_waiting)
     return cost_model(inputs.model, inputs.gpu, tp=sv.tensor_parallel, weights_dtype=cm.plan.weights_dtype,
                       kv_dtype=sc.model.kv_dtype)
 
@@ -100,14 +102,20 @@ def slot_context(cm: ClusterModel) -> int:
     return min(ctx, limit) if limit else ctx
 
 
-def _policy(cm: ClusterModel, blocks_for: Callable[[int], int] | None) -> tuple[SchedulingPolicy, int]:
-    """The engine profile's scheduling rules and the replica's KV blocks (llamacpp: one context per slot)."""
+def _policy(cm: ClusterModel, blocks_for: Callable[[int], int] | None
+            ) -> tuple[Callable[[], SchedulingPolicy], int]:
+    """The engine profile's scheduling rules (a new policy per replica) and the replica's KV blocks (llamacpp: one
+    context per slot)."""
     sv = cm.scenario.serving
     if sv.engine == "llamacpp":
-        ctx = slot_context(cm)
+        ctx, slots, split_kv = slot_context(cm), sv.max_num_seqs, not sv.kv_unified
         per_slot = blocks_for(ctx) if blocks_for is not None else -(-ctx // sv.block_size)
-        return LlamaCppPolicy(ctx, split_kv=not sv.kv_unified), per_slot * sv.max_num_seqs
-    return VllmPolicy(), cm.plan.kv_blocks_per_gpu
+
+        def llamacpp() -> SchedulingPolicy:
+            return LlamaCppPolicy(ctx, slots, split_kv=split_kv)
+
+        return llamacpp, per_slot * slots
+    return VllmPolicy, cm.plan.kv_blocks_per_gpu
 
 
 def _blocks_for(cm: ClusterModel) -> Callable[[int], int] | None:

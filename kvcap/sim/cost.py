@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Literal
+from typing import Any, final
 
 import numpy as np
 
@@ -55,50 +55,120 @@ from kvcap.sim.roofline import (
     default_tp_link,
     roofline,
 )
+from kvcap.sim.step_cost import IterationCost, StepCostModel
 from kvcap.specs.hardware import GpuSpec, LinkSpec
 from kvcap.specs.model import ModelSpec
 
-Bound = Literal["compute", "memory"]
+# ------------------------------------------------------------------------------- precomputed coefficients
+# Seconds are already divided by the achieved rate; the raw FLOPs and bytes are what IterationCost reports.
 
-# ------------------------------------------------------------------------------------------------- results
 
+@final
+@dataclass(frozen=True, slots=True)
+class LinearTerms:
+    """One group of identical GEMMs in a step (or the LM head, per sampled row instead of per token)."""
 
-@dataclass(slots=True)
-class IterationCost:
-    """One iteration on one GPU of the tp group. Seconds and bytes are per GPU; treat as read-only.
-
-    ``total_s = gemm_s + attn_s + elem_s + comm_s + overhead_s``. ``compute_s`` and ``memory_s`` split the
-    roofline time (everything but per-op overheads, communication and step overhead) by which side won each
-    term (elementwise ops count as memory); ``bound`` names the larger: what a faster GPU would have to
-    improve for this step.
-    """
-
-    total_s: float
-    gemm_s: float
-    """Linear layers and LM head, with their per-op overhead."""
-    attn_s: float
-    """Attention (and SSM state) kernels: KV reads and writes, attention FLOPs, per-layer overhead."""
-    elem_s: float
-    """Norms, rotary embedding, activation, residual add, embedding lookup."""
-    comm_s: float
-    """Tensor-parallel all-reduces (zero at tp=1); not overlapped with compute."""
+    compute_s_per_token: float
+    weight_s: float
+    """Reading the weights, once per step."""
+    act_s_per_token: float
     overhead_s: float
-    """Fixed per-step overhead (Calibration.step_overhead_s)."""
+    flops_per_token: float
+    weight_bytes: float
+    act_bytes_per_token: float
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ExpertTerms:
+    """A step's routed MoE experts: the weights read are those of the experts its tokens touch."""
+
+    compute_s_per_token: float
+    weight_s_per_expert: float
+    experts: float
+    idle: float
+    """P(an expert is idle | one token)."""
+    act_s_per_token: float
+    overhead_s: float
+    flops_per_token: float
+    bytes_per_expert: float
+    act_bytes_per_token: float
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ElementwiseTerms:
+    """One kind of elementwise op, ``count`` of them per step."""
+
+    s_per_token: float
+    floor_s: float
+    count: float
+    bytes_per_token: float
+    """Every op of the kind together."""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class AttentionTerms:
+    """Seconds of the attention (and SSM state) kernels, full-attention and sliding-window layers apart."""
+
+    full_pair_s: float
+    """Per causal query-key pair."""
+    full_context_s: float
+    """Per context token read."""
+    full_token_s: float
+    """Per new token (its KV written, Q and O)."""
+    sliding_pair_s: float
+    sliding_context_s: float
+    sliding_token_s: float
+    state_s: float
+    """Per sequence: SSM state read and written."""
+    overhead_s: float
+    """Every attention and state kernel's fixed time."""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class AttentionTotals:
+    """The raw amounts of the attention kernels, summed over the layers of each kind."""
+
+    full_pair_flops: float
+    sliding_pair_flops: float
+    full_kv_bytes: float
+    """KV bytes read per context token."""
+    sliding_kv_bytes: float
+    kv_write_bytes: float
+    """KV bytes written per new token."""
+    qo_bytes: float
+    """Q and O bytes per token."""
+    state_bytes: float
+    """SSM state bytes per sequence."""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class AllReduceTerms:
+    """The step's tensor-parallel all-reduces (zeros at tp=1)."""
+
+    fixed_s: float
+    s_per_token: float
+    bytes_per_token: float
+    """What this GPU sends."""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class LinearStep:
+    """The terms of a step that depend only on its tokens and sampled rows (everything but attention and
+    communication): GEMMs, LM head, elementwise ops."""
+
+    gemm_s: float
     compute_s: float
     memory_s: float
     flops: float
-    weight_read_bytes: float
-    kv_read_bytes: float
-    kv_write_bytes: float
+    weight_bytes: float
     act_bytes: float
-    """Activation traffic of GEMMs, attention inputs/outputs and elementwise ops."""
-    comm_bytes: float
-    """Bytes this GPU sends in the step's all-reduces (ring: 2(tp-1)/tp of each payload)."""
-    bound: Bound
-
-
-def _empty() -> IterationCost:
-    return IterationCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "memory")
+    elem_s: float
 
 
 # --------------------------------------------------------------------------------------------- cost model
@@ -113,7 +183,7 @@ LINEAR_CACHE = 1 << 16
 """Most (tokens, rows) pairs a cost model remembers the step terms of (a run meets a few thousand)."""
 
 
-class CostModel:
+class CostModel(StepCostModel):
     """Everything about (model, GPU, tp, dtypes, calibration) precomputed; :meth:`iteration_time` is cheap.
 
     Coefficients are stored already divided by the achieved peak or bandwidth, so a call only multiplies
@@ -146,7 +216,7 @@ class CostModel:
         self._attn = _attention_terms(shape, rates, calib)
         self._raw = _attention_totals(shape)
         self._comm = _all_reduce_terms(model, tp, act_bytes, self.link, calib)
-        self._linear: dict[tuple[int, int], tuple[float, ...]] = {}
+        self._linear: dict[tuple[int, int], LinearStep] = {}
         """(tokens, sampled rows) → the step's terms that depend on nothing else (:meth:`_linear_terms`)."""
 
     # ------------------------------------------------------------------------------------------------ calls
@@ -154,99 +224,108 @@ class CostModel:
     def iteration_time(self, batch: BatchShape) -> IterationCost:
         """Cost of one iteration over ``batch`` (see :class:`IterationCost` for the parts)."""
         if batch.n_prefill_tokens + batch.n_decode <= 0:
-            return _empty()
-        return IterationCost(*self._parts(batch))
+            return IterationCost(bound="memory")
+        return self._parts(batch)
 
     def step_time(self, batch: BatchShape) -> float:
-        """``iteration_time(batch).total_s`` without building the breakdown (the simulator's per-step call)."""
+        """``iteration_time(batch).total_s`` (the simulator's per-step call)."""
         if batch.n_prefill_tokens + batch.n_decode <= 0:
             return 0.0
-        return self._parts(batch)[0]
+        return self._parts(batch).total_s
 
-    def _parts(self, batch: BatchShape) -> tuple[Any, ...]:
-        """:class:`IterationCost`'s fields, in order, of a non-empty batch."""
+    def _parts(self, batch: BatchShape) -> IterationCost:
+        """:meth:`iteration_time` of a non-empty batch."""
         t = batch.n_prefill_tokens + batch.n_decode
         s = batch.n_decode + batch.n_prefill_seqs
-        terms = self._linear.get((t, s))
-        if terms is None:
-            terms = self._linear_terms(t, s)
+        lin = self._linear.get((t, s))
+        if lin is None:
+            lin = self._linear_terms(t, s)
             if len(self._linear) < LINEAR_CACHE:
-                self._linear[(t, s)] = terms
-        gemm, compute, memory, flops, wbytes, abytes, elem = terms
+                self._linear[(t, s)] = lin
+        compute, memory, flops = lin.compute_s, lin.memory_s, lin.flops
 
-        fpair, fkv, ftok, spair, skv, stok, state, attn_oc = self._attn
+        at = self._attn
         raw = self._raw
         ctx = batch.prefill_context_tokens + batch.decode_context_tokens
         pairs = batch.prefill_attn_pairs + batch.decode_context_tokens
-        c, m = fpair * pairs, fkv * ctx + ftok * t
+        c, m = at.full_pair_s * pairs, at.full_context_s * ctx + at.full_token_s * t
         if c > m:
             attn = c
             compute += c
         else:
             attn = m
             memory += m
-        kv_read = raw[2] * ctx
-        flops += raw[0] * pairs
-        if spair:
+        kv_read = raw.full_kv_bytes * ctx
+        flops += raw.full_pair_flops * pairs
+        if at.sliding_pair_s:
             wctx, wpairs = windowed_totals(batch)
-            c, m = spair * wpairs, skv * wctx + stok * t
+            c, m = at.sliding_pair_s * wpairs, at.sliding_context_s * wctx + at.sliding_token_s * t
             if c > m:
                 attn += c
                 compute += c
             else:
                 attn += m
                 memory += m
-            kv_read += raw[3] * wctx
-            flops += raw[1] * wpairs
-        kv_write = raw[4] * t
+            kv_read += raw.sliding_kv_bytes * wctx
+            flops += raw.sliding_pair_flops * wpairs
+        kv_write = raw.kv_write_bytes * t
+        state = at.state_s
         if state:
             attn += state * s
             memory += state * s
-            kv_read += raw[6] * s
-            kv_write += raw[6] * s
-        attn += attn_oc
-        comm_fixed, comm_tok, comm_b = self._comm
-        comm = comm_fixed + comm_tok * t
+            kv_read += raw.state_bytes * s
+            kv_write += raw.state_bytes * s
+        attn += at.overhead_s
+        ar = self._comm
+        comm = ar.fixed_s + ar.s_per_token * t
         overhead = self.calib.step_overhead_s
-        return (gemm + attn + elem + comm + overhead, gemm, attn, elem, comm, overhead, compute, memory, flops,
-                wbytes, kv_read, kv_write, abytes + raw[5] * t, comm_b * t, "compute" if compute > memory else "memory")
+        gemm, elem = lin.gemm_s, lin.elem_s
+        return IterationCost(
+            total_s=gemm + attn + elem + comm + overhead, gemm_s=gemm, attn_s=attn, elem_s=elem, comm_s=comm,
+            overhead_s=overhead, compute_s=compute, memory_s=memory, flops=flops, weight_read_bytes=lin.weight_bytes,
+            kv_read_bytes=kv_read, kv_write_bytes=kv_write, act_bytes=lin.act_bytes + raw.qo_bytes * t,
+            comm_bytes=ar.bytes_per_token * t, bound="compute" if compute > memory else "memory")
 
-    def _linear_terms(self, t: int, s: int) -> tuple[float, ...]:
-        """(GEMM s, compute s, memory s, FLOPs, weight B, activation B, elementwise s) of a step over ``t`` tokens
-        and ``s`` sampled rows: everything but attention and communication, which depend only on these two
-        counts — so a run's steps share them (cached per model) and pay only for their attention."""
+    def _linear_terms(self, t: int, s: int) -> LinearStep:
+        """The terms of a step over ``t`` tokens and ``s`` sampled rows that depend on nothing else (everything but
+        attention and communication), so a run's steps share them (cached per model) and pay only for their
+        attention."""
         tile = self.calib.gemm_token_tile
         tt = t if t <= tile else -(-t // tile) * tile  # compute side: whole GEMM tiles past the first
         gemm = compute = memory = flops = wbytes = abytes = 0.0
-        for fc, wm, am, oc, f, w, a in self._gemm:
-            dg, dc, dm = roofline(fc * tt, wm + am * t, oc)
+        for g in self._gemm:
+            dg, dc, dm = roofline(g.compute_s_per_token * tt, g.weight_s + g.act_s_per_token * t, g.overhead_s)
             gemm, compute, memory = gemm + dg, compute + dc, memory + dm
-            flops += f * t
-            wbytes += w
-            abytes += a * t
-        if self._moe is not None:
-            fc, wm, n_exp, idle, am, oc, f, w, a = self._moe
-            touched = n_exp * (1.0 - idle ** t)  # expected distinct experts hit by t tokens
-            dg, dc, dm = roofline(fc * t, wm * touched + am * t, oc)
+            flops += g.flops_per_token * t
+            wbytes += g.weight_bytes
+            abytes += g.act_bytes_per_token * t
+        moe = self._moe
+        if moe is not None:
+            touched = moe.experts * (1.0 - moe.idle ** t)  # expected distinct experts hit by t tokens
+            dg, dc, dm = roofline(moe.compute_s_per_token * t, moe.weight_s_per_expert * touched
+                                  + moe.act_s_per_token * t, moe.overhead_s)
             gemm, compute, memory = gemm + dg, compute + dc, memory + dm
-            flops += f * t
-            wbytes += w * touched
-            abytes += a * t
-        fc, wm, am, oc, f, w, a = self._head
-        dg, dc, dm = roofline(fc * (s if s <= tile else -(-s // tile) * tile), wm + am * s, oc)
+            flops += moe.flops_per_token * t
+            wbytes += moe.bytes_per_expert * touched
+            abytes += moe.act_bytes_per_token * t
+        h = self._head
+        dg, dc, dm = roofline(h.compute_s_per_token * (s if s <= tile else -(-s // tile) * tile),
+                              h.weight_s + h.act_s_per_token * s, h.overhead_s)
         gemm, compute, memory = gemm + dg, compute + dc, memory + dm
-        flops += f * s
-        wbytes += w
-        abytes += a * s
+        flops += h.flops_per_token * s
+        wbytes += h.weight_bytes
+        abytes += h.act_bytes_per_token * s
 
         elem = 0.0
-        for sec, floor, n, b in self._elem:
-            x = sec * t
-            elem += n * (x if x > floor else floor)
-            abytes += b * t
+        for e in self._elem:
+            x = e.s_per_token * t
+            floor = e.floor_s
+            elem += e.count * (x if x > floor else floor)
+            abytes += e.bytes_per_token * t
         memory += elem
 
-        return gemm, compute, memory, flops, wbytes, abytes, elem
+        return LinearStep(gemm_s=gemm, compute_s=compute, memory_s=memory, flops=flops, weight_bytes=wbytes,
+                          act_bytes=abytes, elem_s=elem)
 
     def decode_steps_time(self, batch: BatchShape, steps: int) -> float:
         """Total seconds of ``steps`` successive pure-decode iterations, every context growing by one per step.
@@ -260,7 +339,7 @@ class CostModel:
         if steps <= 0 or batch.n_decode <= 0:
             return 0.0
         n = batch.n_decode
-        if self._attn[3]:  # sliding layers: each windowed context grows until it reaches the window
+        if self._attn.sliding_pair_s:  # sliding layers: each windowed context grows until it reaches the window
             window = self.model.sliding_window or 0
             start = batch.decode_context_tokens if batch.decode_window_tokens is None else batch.decode_window_tokens
             total = 0.0
@@ -282,7 +361,7 @@ class CostModel:
         if batch.n_prefill_tokens or batch.n_prefill_seqs:
             raise ValueError("decode_step_times takes a pure-decode batch (no prefill chunks)")
         n = batch.n_decode
-        if self._attn[3]:
+        if self._attn.sliding_pair_s:
             window = self.model.sliding_window or 0
             start = batch.decode_context_tokens if batch.decode_window_tokens is None else batch.decode_window_tokens
             return np.fromiter((self.iteration_time(BatchShape(
@@ -299,7 +378,7 @@ class CostModel:
     def decode_step_ends(self, batch: BatchShape, steps: int, t0: float) -> np.ndarray:
         """``t0 + cumsum(decode_step_times(batch, steps))``, the same floats: the ends of a span's steps. A short
         span (most are) is summed in Python, cheaper than numpy's per-call overhead; one line, op for op."""
-        if steps > _PY_STEPS or self._attn[3] or steps <= 0 or batch.n_decode <= 0 or batch.n_prefill_seqs:
+        if steps > _PY_STEPS or self._attn.sliding_pair_s or steps <= 0 or batch.n_decode <= 0 or batch.n_prefill_seqs:
             ends = self.decode_step_times(batch, steps).cumsum()
             ends += t0
             return ends
@@ -318,9 +397,10 @@ class CostModel:
         """A full-attention pure-decode span's step i takes ``rest + max(c0 + bc·i, m0 + bm·i)`` seconds: the
         attention roofline's two lines and everything else (constant); returns (rest, c0, bc, m0, bm)."""
         n = batch.n_decode
-        fpair, fkv, ftok = self._attn[0], self._attn[1], self._attn[2]
+        at = self._attn
+        fpair, fkv = at.full_pair_s, at.full_context_s
         ctx = batch.decode_context_tokens
-        c0, m0 = fpair * ctx, fkv * ctx + ftok * n
+        c0, m0 = fpair * ctx, fkv * ctx + at.full_token_s * n
         return self.step_time(batch) - max(c0, m0), c0, fpair * n, m0, fkv * n
 
     def layer_times(self, tokens: int) -> tuple[float, float]:
@@ -341,73 +421,75 @@ class CostModel:
 
 
 # ------------------------------------------------------------------------------- precomputed coefficients
-# Each tuple holds seconds per unit (already divided by the achieved rate) and then the raw FLOPs and bytes
-# per unit that IterationCost reports; CostModel.iteration_time unpacks them in this order.
 
 
-def _gemm_terms(groups: list[tuple[LinearOp, int]], rates: AchievedRates,
-                c0: float) -> tuple[tuple[float, ...], ...]:
-    """Per group: (s per token compute, weight s, act s per token, overhead s, FLOPs/token, weight B, act B/token)."""
+def _gemm_terms(groups: list[tuple[LinearOp, int]], rates: AchievedRates, c0: float) -> tuple[LinearTerms, ...]:
+    """One :class:`LinearTerms` per group of ``n`` identical ops."""
     pc, bm = rates.gemm_flops_s, rates.gemm_bytes_s
-    return tuple((op.flops_per_token * n / pc, op.weight_bytes * n / bm, op.act_bytes_per_token * n / bm,
-                  (c0 * n) if op.k else 0.0, op.flops_per_token * n, op.weight_bytes * n,
-                  op.act_bytes_per_token * n) for op, n in groups)
+    return tuple(LinearTerms(
+        compute_s_per_token=op.flops_per_token * n / pc, weight_s=op.weight_bytes * n / bm,
+        act_s_per_token=op.act_bytes_per_token * n / bm, overhead_s=(c0 * n) if op.k else 0.0,
+        flops_per_token=op.flops_per_token * n, weight_bytes=op.weight_bytes * n,
+        act_bytes_per_token=op.act_bytes_per_token * n) for op, n in groups)
 
 
-def _routed_expert_terms(experts: RoutedExperts | None, rates: AchievedRates,
-                         c0: float) -> tuple[float, ...] | None:
-    """(s per token, s per touched expert, experts, P(expert idle | token), act s per token, overhead s,
-    FLOPs/token, bytes per touched expert, act B/token); None without experts."""
+def _routed_expert_terms(experts: RoutedExperts | None, rates: AchievedRates, c0: float) -> ExpertTerms | None:
+    """None without experts."""
     if experts is None:
         return None
     pc, bm = rates.gemm_flops_s, rates.gemm_bytes_s
-    return (experts.flops_per_token / pc, experts.bytes_per_touched_expert / bm, experts.experts, experts.idle,
-            experts.act_bytes_per_token / bm, experts.ops * c0, experts.flops_per_token,
-            experts.bytes_per_touched_expert, experts.act_bytes_per_token)
+    return ExpertTerms(
+        compute_s_per_token=experts.flops_per_token / pc, weight_s_per_expert=experts.bytes_per_touched_expert / bm,
+        experts=experts.experts, idle=experts.idle, act_s_per_token=experts.act_bytes_per_token / bm,
+        overhead_s=experts.ops * c0, flops_per_token=experts.flops_per_token,
+        bytes_per_expert=experts.bytes_per_touched_expert, act_bytes_per_token=experts.act_bytes_per_token)
 
 
-def _lm_head_terms(head: LinearOp, rates: AchievedRates, c0: float) -> tuple[float, ...]:
+def _lm_head_terms(head: LinearOp, rates: AchievedRates, c0: float) -> LinearTerms:
     """As one :func:`_gemm_terms` group, per sampled row."""
     pc, bm = rates.gemm_flops_s, rates.gemm_bytes_s
-    return (head.flops_per_token / pc, head.weight_bytes / bm, head.act_bytes_per_token / bm, c0,
-            head.flops_per_token, head.weight_bytes, head.act_bytes_per_token)
+    return LinearTerms(
+        compute_s_per_token=head.flops_per_token / pc, weight_s=head.weight_bytes / bm,
+        act_s_per_token=head.act_bytes_per_token / bm, overhead_s=c0, flops_per_token=head.flops_per_token,
+        weight_bytes=head.weight_bytes, act_bytes_per_token=head.act_bytes_per_token)
 
 
 def _elementwise_terms(groups: list[tuple[ElementwiseOp, int]], rates: AchievedRates,
-                       calib: Calibration) -> tuple[tuple[float, float, float, float], ...]:
-    """Per op: (s per token, floor s, count, bytes per token × count)."""
+                       calib: Calibration) -> tuple[ElementwiseTerms, ...]:
     be, floor = rates.elementwise_bytes_s, calib.elementwise_op_floor_s
-    return tuple((op.bytes_per_token / be, floor, float(n), op.bytes_per_token * n) for op, n in groups)
+    return tuple(ElementwiseTerms(s_per_token=op.bytes_per_token / be, floor_s=floor, count=float(n),
+                                  bytes_per_token=op.bytes_per_token * n) for op, n in groups)
 
 
-def _attention_terms(a: AttentionShape, rates: AchievedRates, calib: Calibration) -> tuple[float, ...]:
-    """(full: s per pair, s per context token, s per new token; sliding: the same three; state s per sequence;
-    overhead s of every attention/state kernel)."""
+def _attention_terms(a: AttentionShape, rates: AchievedRates, calib: Calibration) -> AttentionTerms:
     pa, ba = rates.attn_flops_s, rates.attn_bytes_s
     n_full, n_slide, kv_tok, qo_tok = a.full_layers, a.sliding_layers, a.kv_bytes_per_token, a.qo_bytes_per_token
-    return (n_full * a.pair_flops / pa, n_full * kv_tok / ba, n_full * (kv_tok + qo_tok) / ba,
-            n_slide * a.pair_flops / pa, n_slide * kv_tok / ba, n_slide * (kv_tok + qo_tok) / ba,
-            2.0 * a.state_bytes / ba, (n_full + n_slide + a.state_layers) * calib.attn_op_overhead_s)
+    return AttentionTerms(
+        full_pair_s=n_full * a.pair_flops / pa, full_context_s=n_full * kv_tok / ba,
+        full_token_s=n_full * (kv_tok + qo_tok) / ba, sliding_pair_s=n_slide * a.pair_flops / pa,
+        sliding_context_s=n_slide * kv_tok / ba, sliding_token_s=n_slide * (kv_tok + qo_tok) / ba,
+        state_s=2.0 * a.state_bytes / ba,
+        overhead_s=(n_full + n_slide + a.state_layers) * calib.attn_op_overhead_s)
 
 
-def _attention_totals(a: AttentionShape) -> tuple[float, ...]:
-    """(FLOPs per pair: full, sliding; KV bytes per context token: full, sliding; KV bytes written per new
-    token; Q/O bytes per token; state bytes per sequence), summed over the layers of each kind."""
+def _attention_totals(a: AttentionShape) -> AttentionTotals:
     n_full, n_slide, kv_tok = a.full_layers, a.sliding_layers, a.kv_bytes_per_token
-    return (a.pair_flops * n_full, a.pair_flops * n_slide, kv_tok * n_full, kv_tok * n_slide,
-            kv_tok * (n_full + n_slide), a.qo_bytes_per_token * (n_full + n_slide), a.state_bytes)
+    return AttentionTotals(
+        full_pair_flops=a.pair_flops * n_full, sliding_pair_flops=a.pair_flops * n_slide,
+        full_kv_bytes=kv_tok * n_full, sliding_kv_bytes=kv_tok * n_slide, kv_write_bytes=kv_tok * (n_full + n_slide),
+        qo_bytes=a.qo_bytes_per_token * (n_full + n_slide), state_bytes=a.state_bytes)
 
 
 def _all_reduce_terms(model: ModelSpec, tp: int, act_bytes: float, link: LinkSpec,
-                      calib: Calibration) -> tuple[float, float, float]:
-    """Two all-reduces per layer (after attention / mixer and after the MLP): (fixed s, s per token, bytes
-    this GPU sends per token); zeros at tp=1."""
+                      calib: Calibration) -> AllReduceTerms:
+    """Two all-reduces per layer (after attention / mixer and after the MLP)."""
     if tp <= 1:
-        return 0.0, 0.0, 0.0
+        return AllReduceTerms(fixed_s=0.0, s_per_token=0.0, bytes_per_token=0.0)
     n_ar = 2 * model.num_layers
     payload = model.hidden_size * act_bytes  # bytes per token
     fixed, per_byte = all_reduce_coefficients(tp, link, calib)
-    return n_ar * fixed, n_ar * per_byte * payload, n_ar * payload * 2 * (tp - 1) / tp
+    return AllReduceTerms(fixed_s=n_ar * fixed, s_per_token=n_ar * per_byte * payload,
+                          bytes_per_token=n_ar * payload * 2 * (tp - 1) / tp)
 
 
 def _leading_line(a1: float, b1: float, a2: float, b2: float, steps: int) -> tuple[float, float] | None:

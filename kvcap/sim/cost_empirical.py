@@ -9,9 +9,8 @@ already measured is better described by its own coefficients. A step takes
 
 where passes are the forward passes the engine runs for the step (1, but for llama.cpp's split KV), the sequences that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt
 that finishes in the step samples its first token; engines also compute a row of logits for a partial chunk)
-and decode KV is the sum of the decoders' context lengths. It offers the calls the replica makes of
-:class:`kvcap.sim.cost.CostModel` (``iteration_time``, ``step_time``, ``decode_steps_time``,
-``decode_step_times``, ``decode_step_ends``, ``model``), with the pure-decode spans in closed form. It has no
+and decode KV is the sum of the decoders' context lengths. It implements
+:class:`~kvcap.sim.step_cost.StepCostModel`, as the roofline does, with the pure-decode spans in closed form. It has no
 bytes or FLOPs: the breakdown puts the per-sequence and per-token terms under ``gemm_s``, the context term under
 ``attn_s``, ``base`` under ``overhead_s``, and calls every step compute-bound (there is no roofline to say
 otherwise).
@@ -19,42 +18,45 @@ otherwise).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from kvcap.sim.batch_shape import BatchShape
-from kvcap.sim.cost import IterationCost
+from kvcap.sim.step_cost import IterationCost, StepCostModel
 from kvcap.specs.model import ModelSpec
 
 
-@dataclass(frozen=True)
-class EmpiricalCost:
+class EmpiricalCost(StepCostModel):
     """Linear step time (seconds per unit; see the module docstring); ``model`` is kept for the replica's
-    sliding-window lookup and reports."""
+    sliding-window lookup and reports. Treat as read-only.
 
-    model: ModelSpec
-    base: float
-    per_decode: float
-    per_prefill_token: float
-    per_context_token: float
-    floor: float = 0.0
-    """Seconds a forward pass takes at least (``StepCost.floor``)."""
-    per_waiting: float = 0.0
-    """Seconds per sequence that samples per request waiting at the server (``StepCost.per_waiting``)."""
+    A plain class, not a dataclass: compiled, the interface's ``model`` attribute would read as a default."""
+
+    __slots__ = ("base", "floor", "model", "per_context_token", "per_decode", "per_prefill_token", "per_waiting")
+
+    def __init__(self, model: ModelSpec, *, base: float, per_decode: float, per_prefill_token: float,
+                 per_context_token: float, floor: float = 0.0, per_waiting: float = 0.0) -> None:
+        self.model = model
+        self.base = base
+        self.per_decode = per_decode
+        self.per_prefill_token = per_prefill_token
+        self.per_context_token = per_context_token
+        self.floor = floor
+        """Seconds a forward pass takes at least (``StepCost.floor``)."""
+        self.per_waiting = per_waiting
+        """Seconds per sequence that samples per request waiting at the server (``StepCost.per_waiting``)."""
 
     def iteration_time(self, batch: BatchShape) -> IterationCost:
         """One step over ``batch``; an empty batch costs nothing (as the roofline's)."""
         if batch.n_prefill_tokens + batch.n_decode <= 0:
-            return IterationCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "compute")
+            return IterationCost(bound="compute")
         rows = ((self.per_decode + self.per_waiting * batch.waiting) * batch.n_sampled
                 + self.per_prefill_token * batch.n_prefill_tokens)
         attn = self.per_context_token * batch.decode_context_tokens
         fixed = self.base * batch.passes
         total = max(fixed + rows + attn, self.floor * batch.passes)
         fixed += total - (fixed + rows + attn)  # the floor's share is the step's fixed part
-        return IterationCost(total, rows, attn, 0.0, 0.0, fixed, rows + attn, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                             0.0, "compute")
+        return IterationCost(total_s=total, gemm_s=rows, attn_s=attn, overhead_s=fixed, compute_s=rows + attn,
+                             bound="compute")
 
     def decode_step_times(self, batch: BatchShape, steps: int) -> np.ndarray:
         """Each of ``steps`` pure-decode steps, every context growing by one per step: a line in the step index."""

@@ -5,9 +5,8 @@ and ordering every replica's step ends, arrivals and copy completions in time ar
 same whatever engine each replica runs (:mod:`kvcap.sim.replica`, its policy in :mod:`kvcap.sim.policy`).
 A load driver (:mod:`kvcap.sim.run`, serve-sim) submits requests and runs the clock.
 
-Events, in time order (ties in push order): ``step`` (a replica's step or decode span ends; stale versions
-are skipped), ``arrival`` (route and enqueue), ``link`` (the next transfer's bytes are through), ``copied``
-(its latency later: the copy's callback), ``call`` (a driver's callback).
+Events, in time order (ties in push order), are of the kinds :data:`kvcap.sim.events.EventKind` lists; the
+hooks a replica calls (:class:`kvcap.sim.events.ClusterHooks`) are implemented here.
 """
 
 from __future__ import annotations
@@ -18,28 +17,33 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvcap.sim.events import ClusterHooks, EventKind
 from kvcap.sim.kv import Tier
 from kvcap.sim.links import Link, LinkSet, Transfer
-from kvcap.sim.replica import Replica, ReplicaConfig
+from kvcap.sim.policy import SchedulingPolicy
+from kvcap.sim.replica import Replica
+from kvcap.sim.replica_state import ReplicaConfig
 from kvcap.sim.request import SimRequest
+from kvcap.sim.tiers import ReplicaTiers
 
 
-class Simulation:
-    """The cluster: replicas, tiers, links and the event heap; a load driver feeds it requests."""
+class Simulation(ClusterHooks):
+    """The cluster: replicas, tiers, links and the event heap; a load driver feeds it requests. Each replica gets
+    a policy of its own from ``policy()``."""
 
     def __init__(self, configs: list[ReplicaConfig], tiers: dict[str, list[Tier]], links: LinkSet,
-                 routing: str = "least_loaded", pool_links: tuple[Link, ...] = (),
-                 on_finish: Callable[[SimRequest, float], None] | None = None, request_overhead_s: float = 0.0):
+                 policy: Callable[[], SchedulingPolicy], routing: str = "least_loaded",
+                 pool_links: tuple[Link, ...] = (), on_finish: Callable[[SimRequest, float], None] | None = None,
+                 request_overhead_s: float = 0.0):
         self.links = links
         self.request_overhead_s = request_overhead_s
         """Each request reaches its replica's scheduler this long after it arrives (``step_cost.per_request``)."""
         self.tiers = tiers
         """``host``: one Tier per node; ``remote``: one shared Tier (the pool)."""
-        self.tiers_enabled = bool(tiers)
         self.pool_links = pool_links
-        self.replicas = [Replica(i, c, self) for i, c in enumerate(configs)]
+        self.replicas = [Replica(i, c, policy(), self._tiers_of(c), self) for i, c in enumerate(configs)]
         self.routing = routing
-        self.heap: list[tuple[float, int, str, Any, int]] = []
+        self.heap: list[tuple[float, int, EventKind, Any, int]] = []
         self.seq = 0
         self.now = 0.0
         self.rr = 0
@@ -47,9 +51,8 @@ class Simulation:
         self.on_finish = on_finish
         self.finished = 0
         self.events = 0
-        self.max_span: int | None = None
-        """Longest decode span in steps (1 when serving in real time, so every token is an event)."""
-        self.on_tokens: Callable[[SimRequest], None] | None = None
+        self.max_span = None
+        self.on_tokens = None
         self._feed_keys: Sequence[float] = []
         self._feed_order: Sequence[int] = []
         self._feed_pos = 0
@@ -57,8 +60,14 @@ class Simulation:
         self._submitted: list[float] = []
         """Times of the ``submit``-ted arrivals still in the heap (a min-heap: ``arrival_due`` reads its head)."""
 
+    def _tiers_of(self, cfg: ReplicaConfig) -> ReplicaTiers:
+        """A replica's view of the tiers: its node's host RAM, the remote pool, and its links to them."""
+        host = self.tiers["host"][cfg.node] if "host" in self.tiers else None
+        remote = self.tiers["remote"][0] if "remote" in self.tiers else None
+        return ReplicaTiers(host, remote, cfg.host_link, cfg.nic_links, self.pool_links)
+
     # ------------------------------------------------------------------ events
-    def push(self, t: float, kind: str, obj: Any, version: int = 0) -> None:
+    def push(self, t: float, kind: EventKind, obj: Any, version: int = 0) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, obj, version))
 
@@ -122,6 +131,7 @@ class Simulation:
         keys, n_fed = self._feed_keys, len(self._feed_keys)
         cap = max_events if max_events is not None else math.inf
         obj: Any
+        kind: EventKind
         while True:
             if n_fed and self._feed_pos < n_fed and keys[self._feed_pos] <= t_end and (
                     not heap or keys[self._feed_pos] <= heap[0][0]):
@@ -160,15 +170,15 @@ class Simulation:
                 return
 
     # ------------------------------------------------------------------ routing
-    def may_route_to(self, rep: Replica) -> bool:
-        """Whether a request arriving now could go to ``rep`` (False only where the routing rule says it goes
-        elsewhere: the least loaded replica, or round robin's next, is another one)."""
+    def may_route_to(self, index: int) -> bool:
+        """Whether a request arriving now could go to replica ``index`` (False only where the routing rule says it
+        goes elsewhere: the least loaded replica, or round robin's next, is another one)."""
         reps = self.replicas
         if len(reps) == 1 or self.routing == "kv_aware":
             return True
         if self.routing == "round_robin":
-            return reps[(self.rr + 1) % len(reps)] is rep
-        return self._least_loaded() is rep
+            return (self.rr + 1) % len(reps) == index
+        return self._least_loaded().index == index
 
     def route(self, req: SimRequest) -> Replica:
         reps = self.replicas
@@ -191,50 +201,7 @@ class Simulation:
                 best, least = rep, load
         return best
 
-    # ------------------------------------------------------------------ tiers
-    def _order(self) -> list[str]:
-        return [n for n in ("host", "remote") if n in self.tiers]
-
-    def tier_by_name(self, rep: Replica, name: str | None) -> Tier | None:
-        if name is None or name not in self.tiers:
-            return None
-        group = self.tiers[name]
-        return group[rep.cfg.node] if name == "host" else group[0]
-
-    def tier_for(self, rep: Replica, nbytes: float, name: str | None = None,
-                 reserve: bool = True) -> tuple[Tier | None, list[Link], list[Link]]:
-        """The tier (host first, then remote) with room for ``nbytes``, and the links a copy to it crosses."""
-        for n in ([name] if name else self._order()):
-            tier = self.tier_by_name(rep, n)
-            if tier is None:
-                continue
-            if reserve and not tier.reserve(nbytes):
-                continue
-            if n == "host":
-                assert rep.cfg.host_link is not None
-                return tier, [rep.cfg.host_link], []
-            return tier, list(rep.cfg.nic_links), list(self.pool_links)
-        return None, [], []
-
-    def prefix_tier_name(self, rep: Replica) -> str | None:
-        order = self._order()
-        return order[0] if order else None
-
-    def tier_has_prefix(self, rep: Replica, h: int) -> bool:
-        name = self.prefix_tier_name(rep)
-        tier = self.tier_by_name(rep, name)
-        return tier is not None and tier.hit(h)
-
-    def store_prefixes(self, rep: Replica, hashes: tuple[int, ...], bytes_each: float, now: float) -> None:
-        name = self.prefix_tier_name(rep)
-        tier = self.tier_by_name(rep, name)
-        if tier is None:
-            return
-        new = sum(1 for h in hashes if tier.store_prefix(h, bytes_each))
-        if new:
-            _, lanes, caps = self.tier_for(rep, 0.0, name=name, reserve=False)
-            self.start_copy(now, new * bytes_each, lanes, caps, outbound=True, on_done=lambda t: None)
-
+    # ------------------------------------------------------------------ requests
     def finish(self, req: SimRequest, now: float) -> None:
         req.state = "done"
         if req.t_last is None:

@@ -88,7 +88,7 @@ def gemm_groups(model: ModelSpec, tp: int, weights_dtype: str, act_bytes: float)
 
     Attention projections (GQA/MHA), dense MLPs, shared experts; then whatever the preset's parameter count
     holds beyond those shapes and the routed experts (MLA and SSM projections, routers) as one dense GEMM of
-    hidden-sized activations per layer, so weight bytes still add up (below 1%: bytes only — norms, biases).
+    hidden-sized activations per layer, so weight bytes still add up (what is left is small: norms, biases).
     """
     wb = weight_element_bytes(weights_dtype)
     h, moe = model.hidden_size, model.moe

@@ -5,19 +5,18 @@ model) are the same whatever the engine; what differs between engines is who run
 is preempted. A :class:`SchedulingPolicy` makes those decisions and only those, so another engine profile
 (e.g. fixed slots) is a new class beside :class:`kvcap.sim.policy_vllm.VllmPolicy`, not an edit of it.
 
-A policy keeps no state of its own: everything it reads or changes lives on the replica (queues, counters)
-and its :class:`~kvcap.sim.kv.BlockPool`, so one instance can serve every replica.
+Each replica has a policy of its own (the cluster makes one per replica): what it reads or changes of the
+replica is its :class:`~kvcap.sim.replica_state.ReplicaState` (queues, counters, block pool); what only the engine
+keeps (llama.cpp's slot table) the policy keeps itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from kvcap.sim.replica_state import ReplicaState
 from kvcap.sim.request import SimRequest
-
-if TYPE_CHECKING:
-    from kvcap.sim.replica import Replica
 
 
 @dataclass(slots=True)
@@ -38,31 +37,31 @@ class SchedulingPolicy(Protocol):
     """The decisions a replica asks its engine for. Each method may change the replica's queues through its
     public operations (``preempt``, ``swap_in``, ``load_prefix``, ``park``, ``commit``) and its block pool."""
 
-    def rejects(self, rep: Replica, req: SimRequest) -> bool:
+    def rejects(self, rep: ReplicaState, req: SimRequest) -> bool:
         """On arrival: is this request refused outright (HTTP 4xx) — it could never run on this replica?"""
         ...
 
-    def next_batch(self, rep: Replica, now: float) -> Batch:
+    def next_batch(self, rep: ReplicaState, now: float) -> Batch:
         """What runs next step: which running requests continue (preempting others if they must), which
         parked ones come back, which waiting ones are admitted. If a preemption leaves the replica stalled
         (a copy out in flight), the policy gives back what it reserved and returns an empty batch."""
         ...
 
-    def should_cut_span(self, rep: Replica, spare: int = 0) -> bool:
+    def should_cut_span(self, rep: ReplicaState, spare: int = 0) -> bool:
         """Mid decode span (an arrival, a finished copy): would something new run at the next step boundary?
         ``spare``: KV blocks the span holds for its later steps, which a cut gives back."""
         ...
 
-    def may_admit_arrival(self, rep: Replica) -> bool:
+    def may_admit_arrival(self, rep: ReplicaState) -> bool:
         """Could a request arriving now, whatever its length, be admitted at the next step boundary? (False only
         where none could: the span need not stop after one step for it.)"""
         ...
 
-    def admits_after_one_step(self, rep: Replica) -> bool:
+    def admits_after_one_step(self, rep: ReplicaState) -> bool:
         """Before a pure-decode span: could something be admitted after just one step? (Then the span is one
         step long; otherwise it runs until the first request finishes or a block runs out.)"""
         ...
 
-    def on_prefilled(self, rep: Replica, completed: list[SimRequest], now: float) -> None:
+    def on_prefilled(self, rep: ReplicaState, completed: list[SimRequest], now: float) -> None:
         """These requests' prompts (or recomputations) completed in the step that just ended."""
         ...

@@ -21,10 +21,9 @@ The rules it follows (llama.cpp ``tools/server``: ``update_slots``, ``process_si
 6. a step runs as several forward passes (``llama_batch_allocr::split_equal`` with split KV): a pass takes the
    same number of tokens from each sequence of one run of consecutive busy slot ids, at most ``n_ubatch``
    (512) tokens, so scattered slots decode in a pass per run, and a prompt beside decodes gets passes of its
-   own after the pass that took one token from everyone (:func:`forward_passes`). Pinned with ``id_slot`` on
-   the tests' 4-layer model: four sequences in slots {0–3} 1.39 ms a step, {0, 1, 4, 5} 1.79 ms, {0, 2, 4, 6}
-   2.85 ms — about 0.49 ms a pass and 0.19 ms a token. A measured step cost (``serving.step_cost``) prices
-   its ``base`` once per pass.
+   own after the pass that took one token from everyone (:func:`forward_passes`): pinned with ``id_slot``, the
+   same sequences take longer a step the more runs their slots form. A measured step cost
+   (``serving.step_cost``) prices its ``base`` once per pass.
 
 With ``serving.kv_unified`` (``--kv-unified``, one shared pool; llama.cpp's default when ``--parallel`` is left to
 auto) a step is one pass per ``n_ubatch`` tokens, whatever slots are busy; slots keep their own context.
@@ -36,13 +35,9 @@ leaves prefix caching off).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvcap.sim.policy import Batch
+from kvcap.sim.replica_state import ReplicaState
 from kvcap.sim.request import SimRequest
-
-if TYPE_CHECKING:
-    from kvcap.sim.replica import Replica
 
 REQUESTED_OUT = "requested_output_tokens"
 """``SimRequest.tags`` key: the output the client asked for, when a full slot context cut it short."""
@@ -96,17 +91,18 @@ class SlotTable:
 
 
 class LlamaCppPolicy:
-    """llama.cpp's rules (see the module docstring) for slots of ``slot_ctx`` tokens; a replica's slot table
-    lives on the replica (``engine_state``), so one instance serves every replica."""
+    """llama.cpp's rules (see the module docstring) for ``slots`` slots of ``slot_ctx`` tokens each; one replica's
+    policy, keeping that replica's slot table."""
 
-    __slots__ = ("slot_ctx", "split_kv")
+    __slots__ = ("slot_ctx", "split_kv", "table")
 
-    def __init__(self, slot_ctx: int, split_kv: bool = True) -> None:
+    def __init__(self, slot_ctx: int, slots: int, split_kv: bool = True) -> None:
         self.slot_ctx = slot_ctx
         self.split_kv = split_kv
+        self.table = SlotTable(slots)
 
     # ------------------------------------------------------------------ the SchedulingPolicy decisions
-    def rejects(self, rep: Replica, req: SimRequest) -> bool:
+    def rejects(self, rep: ReplicaState, req: SimRequest) -> bool:
         """Rule 4: refuse a prompt that fills the slot; cap the output at what the slot's context leaves."""
         if req.prompt >= self.slot_ctx:
             return True
@@ -116,7 +112,7 @@ class LlamaCppPolicy:
             req.max_out = room
         return False
 
-    def next_batch(self, rep: Replica, now: float) -> Batch:
+    def next_batch(self, rep: ReplicaState, now: float) -> Batch:
         batch = Batch()
         table = self._admit(rep, now)
         n_batch = rep.cfg.max_num_batched_tokens
@@ -140,29 +136,27 @@ class LlamaCppPolicy:
         batch.passes = forward_passes(tokens) if self.split_kv else -(-sum(tokens) // N_UBATCH)
         return batch
 
-    def should_cut_span(self, rep: Replica, spare: int = 0) -> bool:
+    def should_cut_span(self, rep: ReplicaState, spare: int = 0) -> bool:
         return self._slot_for_head(rep)
 
-    def may_admit_arrival(self, rep: Replica) -> bool:
+    def may_admit_arrival(self, rep: ReplicaState) -> bool:
         return len(rep.running) < rep.cfg.max_num_seqs
 
-    def admits_after_one_step(self, rep: Replica) -> bool:
+    def admits_after_one_step(self, rep: ReplicaState) -> bool:
         """Also when a slot's prompt got no room in this step (more generating slots than ``n_batch``)."""
         return self._slot_for_head(rep) or any(not r.out for r in rep.running)
 
-    def on_prefilled(self, rep: Replica, completed: list[SimRequest], now: float) -> None:
+    def on_prefilled(self, rep: ReplicaState, completed: list[SimRequest], now: float) -> None:
         """Nothing to decide: a prefilled slot decodes in its own cells."""
 
     # ------------------------------------------------------------------ slots
-    def _slot_for_head(self, rep: Replica) -> bool:
+    def _slot_for_head(self, rep: ReplicaState) -> bool:
         return bool(rep.waiting) and len(rep.running) < rep.cfg.max_num_seqs
 
-    def _admit(self, rep: Replica, now: float) -> SlotTable:
+    def _admit(self, rep: ReplicaState, now: float) -> SlotTable:
         """Rules 1, 2 and 5: deferred requests take free slots in arrival order, each the least recently used;
         a slot's cells are taken whole."""
-        table = rep.engine_state
-        if table is None:
-            table = rep.engine_state = SlotTable(rep.cfg.max_num_seqs)
+        table = self.table
         table.free_finished(now)
         waiting, hbm = rep.waiting, rep.hbm
         per_slot = hbm.blocks_for(self.slot_ctx)

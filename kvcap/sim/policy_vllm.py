@@ -25,27 +25,24 @@ committed decoders' future growth out of reach.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
 from kvcap.sim.policy import Batch
+from kvcap.sim.replica_state import ReplicaState
 from kvcap.sim.request import SimRequest
-
-if TYPE_CHECKING:
-    from kvcap.sim.replica import Replica
 
 
 class VllmPolicy:
-    """vLLM's rules (see the module docstring); stateless, so one instance serves every replica."""
+    """vLLM's rules (see the module docstring); everything it decides from is the replica's state."""
 
     __slots__ = ()
 
     # ------------------------------------------------------------------ the SchedulingPolicy decisions
-    def rejects(self, rep: Replica, req: SimRequest) -> bool:
+    def rejects(self, rep: ReplicaState, req: SimRequest) -> bool:
         cfg = rep.cfg
         too_long = cfg.max_model_len is not None and req.prompt + req.max_out > cfg.max_model_len
         return rep.hbm.blocks_for(req.prompt + req.max_out) > cfg.blocks or too_long
 
-    def next_batch(self, rep: Replica, now: float) -> Batch:
+    def next_batch(self, rep: ReplicaState, now: float) -> Batch:
         batch = Batch()
         budget = self._continue_running(rep, now, batch)
         if rep.stalled:
@@ -56,7 +53,7 @@ class VllmPolicy:
         self._admit_waiting(rep, now, batch, budget)
         return batch
 
-    def should_cut_span(self, rep: Replica, spare: int = 0) -> bool:
+    def should_cut_span(self, rep: ReplicaState, spare: int = 0) -> bool:
         """The parked head could come back (rule 3's test), or the waiting head be admitted, with ``spare`` more
         blocks free than now (what the span holds for its later steps: a cut gives it back)."""
         if len(rep.running) + rep.incoming >= rep.cfg.max_num_seqs:
@@ -71,7 +68,7 @@ class VllmPolicy:
                 return False  # nothing new is admitted while a parked request waits (rule 3)
         return bool(rep.waiting) and free >= self._head_need(rep, rep.waiting[0])
 
-    def may_admit_arrival(self, rep: Replica) -> bool:
+    def may_admit_arrival(self, rep: ReplicaState) -> bool:
         """A slot, no parked request ahead (unless parking), and a block free beyond the decoders' growth (none
         needed where a prompt may be all cached prefix)."""
         if len(rep.running) + rep.incoming >= rep.cfg.max_num_seqs or not (rep.parking or not rep.parked):
@@ -79,12 +76,12 @@ class VllmPolicy:
         least = 0 if rep.cfg.prefix_caching and rep.cfg.hash_block_tokens else 1
         return rep.hbm.free() - least >= (self._growth_reserve(rep) if rep.parking else 0)
 
-    def admits_after_one_step(self, rep: Replica) -> bool:
+    def admits_after_one_step(self, rep: ReplicaState) -> bool:
         return bool(rep.waiting and (rep.parking or not rep.parked)
                     and len(rep.running) + rep.incoming < rep.cfg.max_num_seqs
                     and rep.hbm.free() >= self._head_need(rep, rep.waiting[0]))
 
-    def on_prefilled(self, rep: Replica, completed: list[SimRequest], now: float) -> None:
+    def on_prefilled(self, rep: ReplicaState, completed: list[SimRequest], now: float) -> None:
         """Offload admission ``tiers``: first prefills and recomputations alike decode in HBM only if promised
         room for their whole sequence; the others are parked (no tier room: they decode in HBM regardless,
         vLLM's rule from there on)."""
@@ -97,7 +94,7 @@ class VllmPolicy:
                 rep.commit(req)
 
     # ------------------------------------------------------------------ the step, rule by rule
-    def _continue_running(self, rep: Replica, now: float, batch: Batch) -> int:
+    def _continue_running(self, rep: ReplicaState, now: float, batch: Batch) -> int:
         """Rules 1–2: every running request's next token or chunk, oldest first, preempting from the newest
         when a block is missing; returns the token budget left."""
         cfg = rep.cfg
@@ -146,7 +143,7 @@ class VllmPolicy:
             i += 1
         return budget
 
-    def _preempt(self, rep: Replica, victim: SimRequest, now: float, batch: Batch) -> None:
+    def _preempt(self, rep: ReplicaState, victim: SimRequest, now: float, batch: Batch) -> None:
         """Rule 2: the victim leaves this step's batch and the running list (the replica recomputes or copies
         its KV out)."""
         if victim in batch.decoders:
@@ -155,7 +152,7 @@ class VllmPolicy:
         batch.reserved.pop(victim.rid, None)
         rep.preempt(victim, now)
 
-    def _swap_back(self, rep: Replica, now: float) -> None:
+    def _swap_back(self, rep: ReplicaState, now: float) -> None:
         """Rule 3: parked requests come back, oldest arrival first, while a running slot and blocks allow."""
         cfg, hbm, parked = rep.cfg, rep.hbm, rep.parked
         while parked and parked[0][2].state == "parked":
@@ -173,7 +170,7 @@ class VllmPolicy:
                 rep.commit(req)
             rep.swap_in(req, now)
 
-    def _admit_waiting(self, rep: Replica, now: float, batch: Batch, budget: int) -> None:
+    def _admit_waiting(self, rep: ReplicaState, now: float, batch: Batch, budget: int) -> None:
         """Rule 4: waiting requests in order (parking engines admit past parked ones while the tier has room)."""
         cfg, hbm, waiting = rep.cfg, rep.hbm, rep.waiting
         while (waiting and (rep.parking or not rep.parked) and budget > 0
@@ -210,7 +207,7 @@ class VllmPolicy:
             budget -= chunk
 
     # ------------------------------------------------------------------ admission arithmetic
-    def _head_need(self, rep: Replica, head: SimRequest) -> int:
+    def _head_need(self, rep: ReplicaState, head: SimRequest) -> int:
         """Free blocks the head of the waiting queue needs to be admitted (its cached prefix is already there;
         a parking engine keeps the decoders' growth out of reach)."""
         cfg, hbm = rep.cfg, rep.hbm
@@ -221,7 +218,7 @@ class VllmPolicy:
             need += self._growth_reserve(rep)
         return need
 
-    def _can_commit(self, rep: Replica, req: SimRequest) -> bool:
+    def _can_commit(self, rep: ReplicaState, req: SimRequest) -> bool:
         """HBM room for this request's whole sequence, after the other decoders' promises, the prefills in
         progress and room to prefill the next waiting request (parking needs somewhere to compute KV)."""
         workspace = rep.hbm.blocks_for(rep.waiting[0].target) if rep.waiting else 0
@@ -230,6 +227,6 @@ class VllmPolicy:
             return False
         return promised + sum([r.blocks for r in rep.running if not r.out]) <= rep.cfg.blocks
 
-    def _growth_reserve(self, rep: Replica) -> int:
+    def _growth_reserve(self, rep: ReplicaState) -> int:
         """Blocks committed decoders will still allocate as they grow (not to be lent to prefills)."""
         return max(0, rep.committed - sum([r.blocks for r in rep.running if r.committed]))

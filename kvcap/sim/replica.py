@@ -23,52 +23,17 @@ misses HBM but hits the tier loads it over the link instead of recomputing it.
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvcap.sim.batch_shape import BatchShape
-from kvcap.sim.cost import CostModel
-from kvcap.sim.cost_empirical import EmpiricalCost
-from kvcap.sim.kv import BlockPool, Tier
-from kvcap.sim.links import Link
+from kvcap.sim.events import ClusterHooks
+from kvcap.sim.kv import Tier
 from kvcap.sim.policy import Batch, SchedulingPolicy
+from kvcap.sim.replica_state import ReplicaConfig, ReplicaState
 from kvcap.sim.request import SimRequest
-
-if TYPE_CHECKING:
-    from kvcap.sim.engine import Simulation
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    """What a replica is: its KV pool, batch limits, cost model, policy, and the tiers/links it may offload over."""
-
-    blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    chunked_prefill: bool
-    cost: CostModel | EmpiricalCost
-    """The roofline, or a measured step time (``serving.step_cost``)."""
-    kv_bytes_per_token: float
-    """Whole replica (every layer, every tp rank): the bytes a copy of one token's KV moves."""
-    hash_block_tokens: int
-    prefix_caching: bool
-    park_after_prefill: bool
-    """Offload admission ``tiers``: admit past HBM — prefill, emit the first token, park the KV in a tier until a
-    decode slot (HBM room for the whole sequence) frees up. ``hbm``: vLLM's rule (tiers hold preempted KV only)."""
-    node: int
-    host_link: Link | None
-    nic_links: tuple[Link, ...]
-    policy: SchedulingPolicy
-    """The engine's scheduling rules (:class:`kvcap.sim.policy_vllm.VllmPolicy` for vLLM)."""
-    max_model_len: int | None = None
-    """Longest prompt + output the engine accepts (the model's context); longer requests get a 400."""
-    blocks_for: Callable[[int], int] | None = None
-    """Blocks a sequence of T tokens needs (None: ceil(T / block_size), full-attention models)."""
+from kvcap.sim.tiers import ReplicaTiers
 
 
 @dataclass(slots=True)
@@ -105,38 +70,27 @@ def _mixed_shape(prefills: list[tuple[SimRequest, int]], decoders: list[SimReque
     return BatchShape.of(prefill=[(c, r.kv) for r, c in prefills], decode=[r.kv for r in decoders], window=window)
 
 
-class Replica:
-    """One serving-engine instance (tp × pp GPUs) with its queues, KV pool and counters."""
+class Replica(ReplicaState):
+    """One serving-engine instance (tp × pp GPUs): its state, the policy that schedules it, the offload tiers it
+    may copy KV to, and the cluster whose clock it runs on."""
 
-    def __init__(self, index: int, cfg: ReplicaConfig, sim: Simulation):
-        self.index, self.cfg, self.sim = index, cfg, sim
-        self.policy = cfg.policy
-        self.hbm = BlockPool(cfg.blocks, cfg.block_size, cfg.hash_block_tokens, cfg.blocks_for)
-        self.running: list[SimRequest] = []
-        self.waiting: deque[SimRequest] = deque()
-        self.parked: list[tuple[float, int, SimRequest]] = []
-        self.moving = 0
-        """Requests in a copy (swap out/in, prefix load): held, not decoding."""
-        self.incoming = 0
-        """Requests whose KV is being copied into HBM (swap-in, prefix load): they hold a running slot."""
-        self.stalled = 0
-        """Swap-outs the replica waits for before its next step."""
+    def __init__(self, index: int, cfg: ReplicaConfig, policy: SchedulingPolicy, tiers: ReplicaTiers,
+                 cluster: ClusterHooks):
+        super().__init__(index, cfg)
+        self.policy = policy
+        self.tiers = tiers
+        self.sim = cluster
         self.span: Span | None = None
         self.version = 0
         self.preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.busy_done = 0.0
-        self.committed = 0
-        """HBM blocks promised to committed decoders at their full length (offload admission ``tiers``)."""
-        self.parking = cfg.park_after_prefill
         self.running_peak = 0
         self.waiting_peak = 0
         """The most requests queued here at once past the slots (requests that would wait with every slot taken; a
         calibrated llama.cpp scenario says when it passes its profile's queue)."""
         self.window = cfg.cost.model.sliding_window
-        self.engine_state: Any = None
-        """What the policy keeps per replica (llama.cpp: its slot table); None until it needs some."""
 
     # ------------------------------------------------------------------ what others read
     def kv_usage(self, t: float | None = None) -> float:
@@ -254,9 +208,9 @@ class Replica:
             if self.policy.admits_after_one_step(self):
                 k = 1  # something could be admitted next step (blocks free up only at a finish)
             elif (k > 1 and not self.waiting and self.sim.arrival_due(now) and self.policy.may_admit_arrival(self)
-                  and self.sim.may_route_to(self)):
+                  and self.sim.may_route_to(self.index)):
                 k = 1  # an arrival at this instant (a closed loop's next request) will cut the span after its
-                # first step: planning the rest (blocks, step ends) only to give it back costs a fifth of the run.
+                # first step: planning the rest (blocks, step ends) only to give it back is wasted work.
                 # Not when requests already wait (the head could not be admitted, or the policy would have said
                 # so): the arrival queues behind them and cuts nothing; nor when it goes to another replica or
                 # could not be admitted (no slot, no block)
@@ -332,16 +286,6 @@ class Replica:
         self.generation_tokens += gen
         return completed, finished
 
-    # ------------------------------------------------------------------ decode promises (offload admission "tiers")
-    def commit(self, req: SimRequest) -> None:
-        """Promise the request HBM room for its whole sequence."""
-        req.committed = self.hbm.final_blocks(req)
-        self.committed += req.committed
-
-    def uncommit(self, req: SimRequest) -> None:
-        self.committed -= req.committed
-        req.committed = 0
-
     # ------------------------------------------------------------------ KV copies
     def preempt(self, victim: SimRequest, now: float) -> None:
         """Take a running request off: its KV is copied out to a tier with room (the replica stalls until the
@@ -351,8 +295,8 @@ class Replica:
             self.uncommit(victim)
         victim.preemptions += 1
         self.preemptions += 1
-        tier, lanes, caps = (self.sim.tier_for(self, victim.kv * self.cfg.kv_bytes_per_token)
-                             if victim.out and self.sim.tiers_enabled else (None, [], []))
+        tier, lanes, caps = (self.tiers.room_for(victim.kv * self.cfg.kv_bytes_per_token)
+                             if victim.out and self.tiers.enabled else (None, [], []))
         if tier is not None:
             nbytes = victim.kv * self.cfg.kv_bytes_per_token
             victim.state, victim.tier, victim.tier_bytes = "swap_out", tier.name, nbytes
@@ -381,7 +325,7 @@ class Replica:
         """Copy a just-prefilled request's KV out to a tier (its blocks are freed when the copy is through);
         False if no tier has room."""
         nbytes = req.kv * self.cfg.kv_bytes_per_token
-        tier, lanes, caps = self.sim.tier_for(self, nbytes)
+        tier, lanes, caps = self.tiers.room_for(nbytes)
         if tier is None:
             return False
         self.running.remove(req)
@@ -401,8 +345,8 @@ class Replica:
 
     def swap_in(self, req: SimRequest, now: float) -> None:
         """Copy a parked request's KV back into HBM (its blocks are taken); it runs again when it is in."""
-        tier = self.sim.tier_by_name(self, req.tier)
-        _, lanes, caps = self.sim.tier_for(self, 0.0, name=req.tier, reserve=False)
+        tier = self.tiers.by_name(req.tier)
+        _, lanes, caps = self.tiers.room_for(0.0, name=req.tier, reserve=False)
         req.state = "swap_in"
         self.moving += 1
         self.incoming += 1
@@ -424,12 +368,13 @@ class Replica:
     def tier_prefix_tokens(self, req: SimRequest) -> int:
         """Tokens of the prefix after the HBM hit that the offload tier holds (loaded instead of recomputed)."""
         hbt = self.cfg.hash_block_tokens
-        if not (req.hashes and hbt and self.cfg.prefix_caching and self.sim.tiers_enabled):
+        if not (req.hashes and hbt and self.cfg.prefix_caching and self.tiers.enabled):
             return 0
+        tier = self.tiers.prefix_tier()
         start = len(req.shared)
         n = 0
         for h in req.hashes[start: req.prompt // hbt]:
-            if not self.sim.tier_has_prefix(self, h):
+            if tier is None or not tier.hit(h):
                 break
             n += 1
         return min(n * hbt, req.prompt - 1 - req.kv)
@@ -437,8 +382,7 @@ class Replica:
     def load_prefix(self, req: SimRequest, tokens: int, now: float) -> None:
         """Copy ``tokens`` of an admitted request's prefix from the tier (its blocks are taken); it runs when in."""
         nbytes = tokens * self.cfg.kv_bytes_per_token
-        name = self.sim.prefix_tier_name(self)
-        _, lanes, caps = self.sim.tier_for(self, 0.0, name=name, reserve=False)
+        _, lanes, caps = self.tiers.room_for(0.0, name=self._prefix_tier_name(), reserve=False)
         req.state = "loading"
         self.moving += 1
         self.incoming += 1
@@ -462,4 +406,19 @@ class Replica:
             return
         full = req.hashes[: req.prompt // hbt]
         self.hbm.share_prefix(req, full)
-        self.sim.store_prefixes(self, full, hbt * self.cfg.kv_bytes_per_token, now)
+        tier = self.tiers.prefix_tier()
+        if tier is None:
+            return
+        bytes_each = hbt * self.cfg.kv_bytes_per_token
+        new = sum(1 for h in full if tier.store_prefix(h, bytes_each))
+        if new:  # written to the tier asynchronously: nothing waits for the copy
+            lanes, caps = self.tiers.links_to(tier)
+            self.sim.start_copy(now, new * bytes_each, lanes, caps, outbound=True, on_done=_nothing)
+
+    def _prefix_tier_name(self) -> str | None:
+        tier = self.tiers.prefix_tier()
+        return tier.name if tier is not None else None
+
+
+def _nothing(t: float) -> None:
+    """A copy's callback when nothing waits for it."""

@@ -8,9 +8,12 @@ without depending on one another.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+
+RequestState = Literal["new", "waiting", "running", "swap_out", "parked", "swap_in", "loading", "done"]
+"""waiting → running ⇄ (swap_out → parked → swap_in) … → done; loading while a tier prefix comes in."""
 
 
 @dataclass(eq=False, slots=True)
@@ -24,8 +27,8 @@ class SimRequest:
     hashes: tuple[int, ...] = ()
     tags: dict[str, Any] = field(default_factory=dict)
     replica: int = -1
-    state: str = "new"
-    """waiting → running ⇄ (swap_out → parked → swap_in) … → done; loading while a tier prefix comes in."""
+    state: RequestState = "new"
+    """Where the request is in its life (:data:`RequestState`)."""
     kv: int = 0
     """Tokens whose KV is in HBM."""
     out: int = 0

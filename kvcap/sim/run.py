@@ -23,8 +23,6 @@ from typing import Any, cast
 import numpy as np
 
 from kvcap import __version__
-from kvcap.analysis.column_file import ColumnWriter, TelemetryWriter
-from kvcap.analysis.record_columns import RecordColumns
 from kvcap.analysis.slo import parse_slo
 from kvcap.analysis.summary import build_summary
 from kvcap.errors import InputError
@@ -39,6 +37,8 @@ from kvcap.rundir import (
     tpot_ms,
     write_json_atomic,
 )
+from kvcap.rundir.store.column_file import ColumnWriter, TelemetryWriter
+from kvcap.rundir.store.record_columns import RecordColumns
 from kvcap.sim import NATIVE
 from kvcap.sim.cluster import ClusterModel, cluster_model
 from kvcap.sim.policy_llamacpp import REQUESTED_OUT
@@ -408,7 +408,7 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
         columns.close_file(writer.records)
         telemetry_copy.close(writer.telemetry_rows)
     wall = time.perf_counter() - wall0
-    summary = build_summary(RunDir(cfg.out), slo=cfg.slo)
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo).to_json()
     simulated = sum(i["sim"]["simulated_s"] for i in infos)
     engine = sum(i["sim"]["wall_s"] for i in infos)
     summary["interrupted"] = interrupted

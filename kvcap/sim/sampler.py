@@ -12,8 +12,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvcap.analysis.column_file import TelemetryWriter
 from kvcap.analysis.telemetry import HOLD
+from kvcap.rundir.store.column_file import TelemetryWriter
 from kvcap.sim.engine import Simulation
 from kvcap.sim.rounding import round_to
 

@@ -101,9 +101,8 @@ class StepCost(Strict):
     per_waiting: Duration = 0.0
     """Per sequence that samples × request waiting at the server for a slot: what each token sent costs for every
     connection queued beside it. llama.cpp's server wakes every waiting HTTP thread for each result it sends
-    (``server_response::send`` → ``notify_all``), so a queue at the door slows the steps of those being served
-    (this machine, 8 slots: pure step 2.11 ms alone, 3.03 ms with 119 waiting). 0: no such cost (vLLM's front end
-    is asynchronous)."""
+    (``server_response::send`` → ``notify_all``), so a queue at the door slows the steps of those being served.
+    0: no such cost (vLLM's front end is asynchronous)."""
 
 
 class ServingSpec(Strict):
@@ -119,7 +118,7 @@ class ServingSpec(Strict):
     enable_prefix_caching: bool = True
     hash_block_tokens: int = Field(default=MOONCAKE_BLOCK_TOKENS, ge=1)
     """Prompt tokens each of a trace's ``hash_ids`` stands for: Mooncake's traces hash 512-token blocks; a replay
-    that hashes its prompts as vLLM does (``kvcap.calibrate.published``'s sessions) uses ``block_size``."""
+    that hashes its prompts as vLLM does (``benchmarks/published.py``'s sessions) uses ``block_size``."""
     kv_offload: KvOffload = "none"
     host_kv_capacity: Size | None = None
     """Host RAM per node given to offloaded KV; default half of cluster.host_memory."""

@@ -5,6 +5,7 @@ NVML's utilisation and memory — into the same telemetry rows, labelled ``node`
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from kvcap.aio import cancel_and_wait
 from kvcap.telemetry.scrape import RateTracker
 
 PROC_NET_DEV = Path("/proc/net/dev")
+
+log = logging.getLogger(__name__)
 
 
 def read_net_dev(text: str) -> dict[str, tuple[int, int]]:
@@ -39,7 +42,8 @@ class _Nvml:
             pynvml.nvmlInit()
             self.nvml = pynvml
             self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:
+        except Exception as exc:  # no package, no driver or no GPU: the host is sampled without GPU rows
+            log.debug("no GPU telemetry (NVML): %s: %s", type(exc).__name__, exc)
             self.nvml = None
 
     def rows(self, t: float, node: str) -> list[dict[str, Any]]:
@@ -48,7 +52,8 @@ class _Nvml:
             try:
                 util = self.nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0  # type: ignore[union-attr]
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(h).used  # type: ignore[union-attr]
-            except Exception:
+            except Exception as exc:  # this GPU's sample is skipped this second; the others and the next go on
+                log.debug("GPU %d not read (NVML): %s: %s", i, type(exc).__name__, exc)
                 continue
             lab = {"node": node, "gpu": str(i), "engine": "nvml"}
             out.append({"t_s": round(t, 4), "source": "local:nvml", "name": "gpu.util",
@@ -80,7 +85,8 @@ class LocalSampler:
         rows: list[dict[str, Any]] = []
         try:
             devices = read_net_dev(self.path.read_text())
-        except OSError:
+        except OSError as exc:  # not Linux, or no procfs: no network rows, the GPU rows still come
+            log.debug("no network telemetry from %s: %s", self.path, exc)
             devices = {}
         for dev, (rx, tx) in devices.items():
             for raw, name, v in (("node_network_receive_bytes_total", "net.rx_bytes_s", rx),

@@ -8,6 +8,7 @@ counters) become per-second rates between successive scrapes, across resets.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcap.aio import cancel_and_wait
 from kvcap.errors import InputError
 from kvcap.telemetry.catalog import counter_increase, detect_engine, entry
+
+log = logging.getLogger(__name__)
 
 
 def parse_target(text: str) -> tuple[str, str]:
@@ -37,7 +40,8 @@ def parse_metrics(text: str, t_s: float, source: str, node: str | None = None) -
     rows: list[dict[str, Any]] = []
     try:
         families = list(text_string_to_metric_families(text))
-    except Exception:
+    except Exception as exc:  # one page lost, not the run: the next scrape may parse
+        log.debug("unparsable metrics page from %s, no rows from it: %s: %s", source, type(exc).__name__, exc)
         return rows
     names = [s.name for fam in families for s in fam.samples]
     engine = detect_engine(names)
@@ -117,8 +121,9 @@ class MetricsSampler:
             rows = self.rates.apply(parse_metrics(text, t, source=f"metrics:{url}", node=node))
             self.sink(rows)
             self.samples += 1
-        except Exception:
+        except Exception as exc:  # counted (summary's telemetry failures); the next round tries again
             self.failures += 1
+            log.debug("scrape of %s failed (%d so far): %s: %s", url, self.failures, type(exc).__name__, exc)
 
     async def _run(self, session: aiohttp.ClientSession) -> None:
         next_t = time.perf_counter()

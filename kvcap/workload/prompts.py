@@ -127,7 +127,7 @@ CACHE_BYTES = 32_000_000
 many bytes: bodies are rebuilt from (seed, i) past it, so a run's memory does not grow with its length."""
 ENTRY_BYTES = 300
 """What a cached body costs beside its characters (the str header, the entry's tuple, key and dict slot): with
-short prompts it is most of the cost — counting characters alone let 16-token prompts take ~4× the bound."""
+short prompts it is most of the cost, so counting characters alone would let short prompts overrun the bound."""
 
 
 @dataclass

@@ -36,10 +36,10 @@ def test_ab_interleaves_repeats_and_reports(tmp_path):
         ("control", 0), ("treatment", 0), ("control", 1), ("treatment", 1)]
     for arm in ("control", "treatment"):
         run = RunDir(out / arm)
-        reps = sorted({(lv["level"], lv["repeat"]) for lv in run.levels()})
+        reps = sorted({(lv.level, lv.repeat) for lv in run.levels()})
         assert reps == [(lv, r) for lv in (8, 16, 24) for r in (0, 1)]
-        assert run.manifest["fixed"]["load.repeats"] == 2 and run.manifest["arm"] == arm
-        starts = {r: min(x["t_start_s"] for x in run.levels() if x["repeat"] == r) for r in (0, 1)}
+        assert run.manifest.fixed["load.repeats"] == 2 and run.manifest.arm == arm
+        starts = {r: min(x.t_start_s or 0.0 for x in run.levels() if x.repeat == r) for r in (0, 1)}
         assert starts[1] > starts[0] + 5
         summary = json.loads((out / arm / "summary.json").read_text())
         assert all(len(lv["output_tok_s_repeats"]) == 2 for lv in summary["levels"])

@@ -56,9 +56,11 @@ PAIRS: dict[str, tuple[dict[str, str | None], dict[str, str | None]]] = {
 }
 NO_FLAG = {"target.url", "server.engine", "server.version", "client.host"}
 """Fixed keys no bench flag sets (the URL is not a fixed variable: two arms are two servers)."""
-DERIVED_ONLY = {"workload.prompt_set", "workload.input_tokens_measured", "load.trace_requests", "load.trace"}
+DERIVED_ONLY = {"workload.prompt_set", "workload.input_tokens_measured", "load.trace_requests", "load.trace",
+                "workload.dataset_sha256"}
 """Fixed keys that only follow others: the prompt set and measured lengths move with input_tokens, dataset, prefix
-and seed; the trace's row count with its rows; its one level (``load.trace``) is its speed."""
+and seed; the trace's row count with its rows; its one level (``load.trace``) is its speed; the dataset's digest
+with its file."""
 
 
 class Runs:
@@ -111,7 +113,7 @@ def compare(a: str, b: str, *allow: str) -> int:
 def test_allow_diff_accepts_exactly_the_key(runs, key, capsys):
     base, change = PAIRS[key]
     a, b = runs.get(base), runs.get({**base, **change})
-    fa, fb = RunDir(a).manifest["fixed"], RunDir(b).manifest["fixed"]
+    fa, fb = RunDir(a).manifest.fixed, RunDir(b).manifest.fixed
     assert fa.get(key) != fb.get(key), (key, fa.get(key))  # the flag does change that key
     assert compare(a, b) == 3
     assert key in capsys.readouterr().err
@@ -122,7 +124,7 @@ def test_allow_diff_accepts_exactly_the_key(runs, key, capsys):
 
 def test_every_fixed_key_a_flag_changes_is_covered(runs):
     dirs = {d for base, change in PAIRS.values() for d in (runs.get(base), runs.get({**base, **change}))}
-    seen = set().union(*(RunDir(d).manifest["fixed"] for d in dirs))
+    seen = set().union(*(RunDir(d).manifest.fixed for d in dirs))
     assert seen - NO_FLAG - DERIVED_ONLY - set(PAIRS) == set()
 
 
@@ -134,13 +136,16 @@ def test_the_key_under_test_needs_no_allow(runs):
 
 def test_a_derived_key_follows_only_a_source_that_differs():
     from kvcap.analysis.verdict import same_caliber
+    from kvcap.rundir import Manifest
 
-    a = {"fixed": {"workload.input_tokens": "16", "workload.prompt_set": "p1"}}
-    b = {"fixed": {"workload.input_tokens": "16", "workload.prompt_set": "p2"}}
+    a = Manifest(source="bench", run_id="a", started_at=0.0,
+                 fixed={"workload.input_tokens": "16", "workload.prompt_set": "p1"})
+    b = Manifest(source="bench", run_id="b", started_at=0.0,
+                 fixed={"workload.input_tokens": "16", "workload.prompt_set": "p2"})
     # the asked length is allowed but equal: the prompt sets differ for another reason, which is not allowed
     assert same_caliber(a, b, {"workload.input_tokens"})["differences"] == [
         {"key": "workload.prompt_set", "control": "p1", "treatment": "p2"}]
-    b["fixed"]["workload.input_tokens"] = "20"
+    b.fixed["workload.input_tokens"] = "20"
     assert same_caliber(a, b, {"workload.input_tokens"})["equal"] is True
 
 
@@ -148,7 +153,57 @@ def test_measured_lengths_are_equal_within_5_percent():
     from kvcap.analysis.verdict import MEASURED_INPUT, same_caliber
 
     def diffs(x: float | None, y: float | None) -> list[dict]:
-        return same_caliber({}, {}, set(), measured={MEASURED_INPUT: (x, y)})["differences"]
+        return same_caliber(None, None, set(), measured={MEASURED_INPUT: (x, y)})["differences"]
 
     assert diffs(100.0, 104.9) == [] and diffs(100.0, None) == []
     assert diffs(100.0, 105.3) == [{"key": MEASURED_INPUT, "control": 100.0, "treatment": 105.3, "tolerance": 0.05}]
+
+
+def test_a_dataset_is_compared_by_its_content_not_its_path(runs, capsys):
+    """The same file at two paths: same caliber. Another file at the same path: a difference, by its digest."""
+    import hashlib
+    import shutil
+
+    original = Path(runs.files["dataset"])
+    copy = original.with_name("copy-of-data.jsonl")
+    shutil.copyfile(original, copy)
+    a = runs.get({**BASE, "--dataset": "@dataset"})
+    b = runs.get({**BASE, "--dataset": str(copy)})
+    fa, fb = RunDir(a).manifest.fixed, RunDir(b).manifest.fixed
+    assert fa["workload.dataset"] != fb["workload.dataset"]
+    assert fa["workload.dataset_sha256"] == fb["workload.dataset_sha256"] == hashlib.sha256(
+        original.read_bytes()).hexdigest()
+    assert compare(a, b) == 0
+    capsys.readouterr()
+
+    edited = original.with_name("edited-data.jsonl")
+    shutil.copyfile(original, edited)
+    c = runs.get({**BASE, "--dataset": str(edited)})
+    edited.write_text(edited.read_text().replace("row 3", "row 33"))
+    d = runs.root / "edited-again"
+    assert main(["bench", "--url", runs.url, *(x for kv in BASE.items() for x in kv), "--dataset", str(edited),
+                 "--out", str(d), "--quiet", "--json"]) == 0
+    fc, fd = RunDir(c).manifest.fixed, RunDir(str(d)).manifest.fixed
+    assert fc["workload.dataset"] == fd["workload.dataset"] == str(edited)
+    assert fd["workload.dataset_sha256"] == hashlib.sha256(edited.read_bytes()).hexdigest()
+    assert compare(c, str(d)) == 3
+    assert "workload.dataset_sha256" in capsys.readouterr().err
+    assert compare(c, str(d), "workload.dataset") == 0  # allowing the dataset allows its content to differ
+    allowed = json.loads(capsys.readouterr().out)["fixed_variables"]["allowed_differences"]
+    assert "workload.dataset_sha256" in {x["key"] for x in allowed}
+
+
+def test_a_run_without_the_digest_is_compared_by_its_path():
+    from kvcap.analysis.verdict import same_caliber
+    from kvcap.rundir import Manifest
+
+    def run(fixed: dict[str, str]) -> Manifest:
+        return Manifest(source="bench", run_id="r", started_at=0.0, fixed=fixed)
+
+    old = run({"workload.dataset": "d.jsonl"})  # a run from before the digest was recorded
+    new = run({"workload.dataset": "d.jsonl", "workload.dataset_sha256": "ab"})
+    assert same_caliber(old, new, set())["equal"] is True
+    moved = run({"workload.dataset": "e.jsonl", "workload.dataset_sha256": "ab"})
+    assert same_caliber(old, moved, set())["differences"] == [
+        {"key": "workload.dataset", "control": "d.jsonl", "treatment": "e.jsonl"}]
+    assert same_caliber(new, moved, set())["equal"] is True

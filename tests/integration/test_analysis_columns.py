@@ -1,4 +1,4 @@
-"""The streaming columnar reader (``analysis.columns``, issue 14) against the list path, on real run directories.
+"""The streaming columnar reader (``rundir.store.columns``, issue 14) against the list path, on real run directories.
 
 ``build_summary`` reads ``requests.jsonl`` in chunks into per-level numpy columns; the list path reads every
 record into memory first (``read_jsonl``) and builds the same columns in one chunk. On a ``sim`` run (per-token
@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis.column_reader import columns_of, read_columns
-from kvcap.analysis.columns import LevelArrays
-from kvcap.analysis.quantiles import ItlValues, percentiles
 from kvcap.analysis.stats import tokens_in_window
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import REQUESTS, RunDir, read_jsonl
+from kvcap.rundir.store.column_reader import columns_of, read_columns
+from kvcap.rundir.store.columns import LevelArrays
+from kvcap.rundir.store.quantiles import ItlValues, percentiles
 from tests.conftest import ROOT, run_cli
 from tests.servers import start_fake_server
 
@@ -77,9 +77,14 @@ def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def summary_json(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``build_summary``'s summary as summary.json holds it."""
+    return build_summary(*args, **kwargs).to_json()
+
+
 def both(run: Path, slo: dict[str, float] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(streamed in 2 KB chunks, list path) summaries of one run directory."""
-    return build_summary(RunDir(run), slo, reader=SMALL_CHUNKS), build_summary(RunDir(run), slo,
+    return summary_json(RunDir(run), slo, reader=SMALL_CHUNKS), summary_json(RunDir(run), slo,
                                                                                reader=records_columns)
 
 
@@ -93,7 +98,7 @@ def test_streamed_columns_give_the_list_paths_summary_on_every_key(which, sim_di
     run = sim_dir if which == "sim" else bench_dir
     streamed, listed = both(run)
     assert_same(streamed, listed)
-    assert build_summary(RunDir(run)) == listed  # the default reader (1 MB chunks: one here)
+    assert summary_json(RunDir(run)) == listed  # the default reader (1 MB chunks: one here)
     lv = streamed["levels"]
     assert len(lv) == 2 and all(len(x["output_tok_s_repeats"]) == 2 for x in lv)
     assert sum(x["errors"] for x in lv) > 0 and lv[0]["itl_ms"]["p50"] is not None
@@ -107,7 +112,7 @@ def test_throughput_and_itl_percentiles_equal_the_per_record_truth(sim_dir):
     """Known truth from the raw records: each repeat's in-window tokens by the per-record reference
     (``tokens_in_window``: the record's own ``np.cumsum`` of its ITLs) and the ITL percentiles of the judged ok
     requests by ``np.percentile`` of their lists."""
-    summary = build_summary(RunDir(sim_dir), reader=SMALL_CHUNKS)
+    summary = summary_json(RunDir(sim_dir), reader=SMALL_CHUNKS)
     recs = read_jsonl(sim_dir / REQUESTS)
     windows = {(i["level"], i["repeat"]): (i["measure_start_s"], i["measure_end_s"])
                for i in read_jsonl(sim_dir / "levels.jsonl")}
@@ -129,8 +134,8 @@ def test_throughput_and_itl_percentiles_equal_the_per_record_truth(sim_dir):
 def test_itl_counts_past_the_exact_limit_give_the_same_percentiles(sim_dir):
     """Past ``itl_exact_max`` values a level's ITLs are counted per 1 µs value: every percentile bit-equal, the
     mean (exact from the integer µs sum, where np.mean sums floats pairwise) within 1e-12 relative."""
-    exact = build_summary(RunDir(sim_dir), reader=SMALL_CHUNKS)
-    counted = build_summary(RunDir(sim_dir), reader=partial(read_columns, chunk_bytes=2048, itl_exact_max=50))
+    exact = summary_json(RunDir(sim_dir), reader=SMALL_CHUNKS)
+    counted = summary_json(RunDir(sim_dir), reader=partial(read_columns, chunk_bytes=2048, itl_exact_max=50))
     for a, b in zip(exact["levels"], counted["levels"]):
         ma, mb = a["itl_ms"].pop("mean"), b["itl_ms"].pop("mean")
         assert mb == pytest.approx(ma, rel=1e-12)
@@ -178,7 +183,7 @@ def test_torn_and_corrupt_lines_are_skipped_as_read_jsonl_skips_them(sim_dir, tm
     mid = len(lines) // 2
     (run / REQUESTS).write_bytes(b"".join(lines[:mid]) + b'{"mode": "concurrency", "lev\n' + b"\n"
                                  + b"".join(lines[mid:]) + lines[3][:40])
-    clean = build_summary(RunDir(sim_dir), reader=records_columns)
+    clean = summary_json(RunDir(sim_dir), reader=records_columns)
     streamed, listed = both(run)
     assert_same(streamed, listed)
     assert_same(streamed, clean)
@@ -196,7 +201,7 @@ def test_records_missing_fields_read_with_their_defaults(sim_dir, tmp_path):
                 r.pop(key)
         out.append(json.dumps(r) + "\n")
     (run / REQUESTS).write_text("".join(out))
-    assert_same(build_summary(RunDir(run), reader=SMALL_CHUNKS), build_summary(RunDir(sim_dir)))
+    assert_same(summary_json(RunDir(run), reader=SMALL_CHUNKS), summary_json(RunDir(sim_dir)))
 
 
 def test_a_line_holding_two_values_is_skipped_by_both_readers(tmp_path):

@@ -27,7 +27,7 @@ def test_goodput_samples_are_each_requests_in_window_tokens(args, tmp_path):
     kept = _KeptColumns()
     build_summary(run, slo, reader=kept)
     got = _good_tokens(kept, slo)
-    windows = {(lv["level"], lv["repeat"]): (lv["measure_start_s"], lv["measure_end_s"]) for lv in run.levels()}
+    windows = {(lv.level, lv.repeat): (lv.measure_start_s, lv.measure_end_s) for lv in run.levels()}
     for level in (8.0, 32.0):
         for rep in (0, 1):
             t0, t1 = windows[(level, rep)]

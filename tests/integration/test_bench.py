@@ -183,7 +183,7 @@ def test_api_key_is_sent_but_never_written(tmp_path, fixed_server):
     assert proc.returncode == 0, proc.stderr
     for f in (tmp_path / "run").iterdir():  # the binary column copies too
         assert env_key.encode() not in f.read_bytes()
-    assert "Authorization" in RunDir(tmp_path / "run").manifest["header_names"]
+    assert "Authorization" in RunDir(tmp_path / "run").manifest.header_names
 
 
 def _start_bench(url: str, out: Path, *args: str) -> subprocess.Popen:

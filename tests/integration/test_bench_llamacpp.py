@@ -40,7 +40,7 @@ def test_bench_llamacpp_matches_its_own_counters(gguf, tmp_path, api):
     recs = run.records()
     assert recs and all(r["ok"] for r in recs), [r.get("error_detail") for r in recs if not r["ok"]][:3]
     assert all(r["output_tokens"] == 24 and r["tokens_source"] == "usage" for r in recs)
-    assert run.manifest["server"]["engine"] == "llama.cpp"
+    assert run.manifest.server["engine"] == "llama.cpp"
     tel = run.telemetry()
     predicted = sorted((t["t_s"], t["value"]) for t in tel if t["labels"]["raw"] == "llamacpp:tokens_predicted_total")
     assert len(predicted) >= 10
@@ -48,10 +48,10 @@ def test_bench_llamacpp_matches_its_own_counters(gguf, tmp_path, api):
     assert predicted[-1][1] - predicted[0][1] == sum(r["output_tokens"] for r in recs)
     running = [t["value"] for t in tel if t["name"] == "server.requests_running"]
     assert max(running) <= 8
-    infos = {(i["level"]): i for i in run.levels()}
+    infos = {i.level: i for i in run.levels()}
     for lv in summary["levels"]:
         info = infos[lv["level"]]
-        t0, t1 = info["measure_start_s"], info["measure_end_s"]
+        t0, t1 = info.measure_start_s, info.measure_end_s
         server_rate = (_counter_at(predicted, t1) - _counter_at(predicted, t0)) / (t1 - t0)
         assert lv["output_tok_s"] == pytest.approx(server_rate, rel=0.05), (lv["level"], server_rate)
         assert lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0
@@ -88,6 +88,6 @@ def test_bench_llamacpp_input_length_is_the_servers_count(gguf, tmp_path):
             counted = [r["input_tokens"] for r in run.records() if r["ok"]]  # usage.prompt_tokens
             assert len(counted) == 8
             assert np.mean(counted) == pytest.approx(40, rel=0.02), (api, counted)
-            lengths = run.manifest["server"]["input_lengths"]
+            lengths = run.manifest.server["input_lengths"]
             assert lengths["method"] == "tokenize:llama.cpp" and lengths["multi_token_words"] > 0, lengths
-            assert run.manifest["fixed"]["workload.input_tokens_measured"] == pytest.approx(40, rel=0.02)
+            assert run.manifest.fixed["workload.input_tokens_measured"] == pytest.approx(40, rel=0.02)

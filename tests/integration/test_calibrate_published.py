@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcap.calibrate.published import (
+from benchmarks.published import (
     calibrate_and_predict,
     load_sets,
     observations,
@@ -137,7 +137,7 @@ def test_the_published_itl_median_is_the_pure_decode_step_on_both_sides(sets):
     """A point with ITL percentiles gives its median as the pure decode step; a replay gives the median of every
     replayed gap pooled, so the fit compares like with like. The H100 Llama set's line through those medians
     (0.05 ms a sequence) is flatter than TPOT's (its means also carry the steps with prompts)."""
-    from kvcap.calibrate.published import calibrated, replay
+    from benchmarks.published import calibrated, replay
     from kvcap.calibrate.simulate import cost_from
 
     s = sets["h100pcie-llama3-8b"]
@@ -205,7 +205,7 @@ def test_a_warm_point_is_replayed_after_the_runs_before_it_with_their_prompts_ca
     prompts cached. The replay of 16 req/s is the 32 req/s run, then the 16 one, the same prompts hashed at the
     server's 16-token block size; only the last run is measured. A prompt priced at 1 ms a token (a 206-token
     mean: ~0.2 s cold) then costs only its last partial block."""
-    from kvcap.calibrate.published import calibrated, replay, session_replay
+    from benchmarks.published import calibrated, replay, session_replay
     from kvcap.calibrate.simulate import cost_from
 
     s = sets["h100pcie-llama3-8b"]
@@ -229,7 +229,7 @@ def test_a_session_finds_cached_what_the_pool_kept(sets):
     run, and all but the last partial block of each prompt hits (its largest gap is 23.9 ms)."""
     import tempfile
 
-    from kvcap.calibrate.published import calibrated, plan_for
+    from benchmarks.published import calibrated, plan_for
     from kvcap.calibrate.simulate import cost_from
     from kvcap.rundir import RunDir
     from kvcap.sim.run import SimConfig, run_sim

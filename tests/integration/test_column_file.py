@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis import column_file, column_reader, telemetry
-from kvcap.analysis.column_file import _itl_stored, stored_columns
+from kvcap.analysis import telemetry
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import COLUMN_COPIES, REQUESTS, TELEMETRY, RunDir, RunWriter
+from kvcap.rundir.store import column_file, column_reader
+from kvcap.rundir.store.column_file import _itl_stored, stored_columns
 from tests.conftest import run_cli
 from tests.integration.test_record_columns import CASES, SCENARIO
 from tests.servers import start_fake_server
@@ -29,7 +30,7 @@ _, TEL_INDEX = column_file.copy_paths(Path(TELEMETRY))
 
 def _summary(out: Path) -> str:
     run = RunDir(out)
-    return json.dumps(build_summary(run, slo=run.manifest.get("slo") or {}), sort_keys=True)
+    return json.dumps(build_summary(run, slo=run.slo).to_json(), sort_keys=True)
 
 
 def _jsonl_summary(out: Path, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -217,11 +218,11 @@ def test_an_interrupt_between_the_jsonl_and_its_copy_leaves_no_copy_trusted(tmp_
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while a chunk of records is being taken into columns: the JSONL has records the copy never got.
     The copy gets no index (so it is not read), and the run's own summary counts every record of the file."""
-    from kvcap.analysis import record_columns
     from kvcap.cli import main
+    from kvcap.rundir.store import record_columns
 
     calls = [0]
-    extract = record_columns._extract
+    extract = record_columns.extract
     init = record_columns.RecordColumns.__init__
 
     def interrupted(*args: Any) -> Any:
@@ -233,12 +234,12 @@ def test_an_interrupt_between_the_jsonl_and_its_copy_leaves_no_copy_trusted(tmp_
     def small_chunks(self: Any, sink: Any, chunk: int = 4096) -> None:
         init(self, sink, 64)
 
-    monkeypatch.setattr(record_columns, "_extract", interrupted)
+    monkeypatch.setattr(record_columns, "extract", interrupted)
     monkeypatch.setattr(record_columns.RecordColumns, "__init__", small_chunks)
     out = tmp_path / "run"
     main(["sim", SCENARIO, "--concurrency", "4,16", "--requests", "300", "--warmup", "0s", "--repeats", "1",
           "--out", str(out), "--quiet"])
-    monkeypatch.setattr(record_columns, "_extract", extract)
+    monkeypatch.setattr(record_columns, "extract", extract)
     assert calls[0] >= 2
     assert not (out / COLUMNS_INDEX).exists() and not (out / COLUMNS).exists()
     written = json.loads((out / "summary.json").read_text())
@@ -330,7 +331,7 @@ def test_a_copy_that_cannot_be_written_costs_only_the_copy(tmp_path: Path, monke
 
     with monkeypatch.context() as m:
         m.setattr(column_file.np, "save", full)
-        got = build_summary(RunDir(out), slo=RunDir(out).manifest.get("slo") or {}, write_copies=True)
+        got = build_summary(RunDir(out), slo=RunDir(out).slo, write_copies=True).to_json()
     assert json.dumps(got, sort_keys=True) == truth
     assert not any((out / name).exists() for name in COLUMN_COPIES)
 
@@ -355,8 +356,7 @@ def test_copies_written_from_odd_files_read_back_as_parsed(tmp_path: Path, monke
         f.write("".join(json.dumps(r) + "\n" for r in rows))
     truth = _jsonl_summary(out, monkeypatch)
     run = RunDir(out)
-    assert json.dumps(build_summary(run, slo=run.manifest.get("slo") or {}, write_copies=True),
-                      sort_keys=True) == truth
+    assert json.dumps(build_summary(run, slo=run.slo, write_copies=True).to_json(), sort_keys=True) == truth
     assert all((out / name).exists() for name in COLUMN_COPIES)
     read = _reads_columns(monkeypatch)
     assert _summary(out) == truth

@@ -269,7 +269,7 @@ def test_llamacpp_serves_a_model_it_does_not_list(tmp_path):
         proc, _ = bench_cli(url, tmp_path / "run", "--model", "any-name", "--concurrency", "2", "--requests", "4",
                             timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    server = RunDir(tmp_path / "run").manifest["server"]
+    server = RunDir(tmp_path / "run").manifest.server
     assert "any-name" not in server["models"] and server["preflight"]["check"] == "1-token request"
     assert server["preflight"]["status"] == 200 and "accepted" in server["preflight"]["note"]
     assert all(r["ok"] for r in records(tmp_path / "run"))

@@ -43,7 +43,7 @@ def test_server_counts_the_asked_length(tmp_path, api, tokenize):
     recs = run.records()
     assert len(recs) == 8 and all(r["ok"] for r in recs)
     assert [r["input_tokens"] for r in recs] == [40] * 8  # usage.prompt_tokens: exact, not within 2%
-    fixed, lengths = run.manifest["fixed"], run.manifest["server"]["input_lengths"]
+    fixed, lengths = run.manifest.fixed, run.manifest.server["input_lengths"]
     assert fixed["workload.input_tokens"] == "40" and fixed["workload.input_tokens_measured"] == 40.0
     assert lengths["method"] == ("tokenize" if tokenize else "usage") and lengths["checked"] is True
     assert lengths["overhead_tokens"] == 3 and lengths["mean_error_pct"] == 0 and lengths["max_abs_error_tokens"] == 0
@@ -92,8 +92,8 @@ def test_lengths_the_server_could_not_be_asked_about_are_flagged(tmp_path):
         summary, err = bench(srv.url, tmp_path / "run", "--concurrency", "2", "--input-tokens", "40",
                              "--requests", "8")
     run = RunDir(tmp_path / "run")
-    assert run.manifest["server"]["input_lengths"] == {"method": None, "counter": "words", "checked": False}
-    assert run.manifest["fixed"]["workload.input_tokens_measured"] is None
+    assert run.manifest.server["input_lengths"] == {"method": None, "counter": "words", "checked": False}
+    assert run.manifest.fixed["workload.input_tokens_measured"] is None
     measured = sum(r["input_tokens"] for r in run.records()) / 8
     assert measured > 40 * 1.05
     assert len(summary["warnings"]) == 1 and "+" in summary["warnings"][0] and "asked 40" in summary["warnings"][0]
@@ -127,7 +127,7 @@ def test_local_input_lengths_skip_the_servers_count(tmp_path):
                              "--requests", "8", "--input-lengths", "local")
         started = srv.stats()["requests_started"]
     run = RunDir(tmp_path / "run")
-    assert run.manifest["server"]["input_lengths"]["method"] == "off"
+    assert run.manifest.server["input_lengths"]["method"] == "off"
     assert started == 8
     assert sum(r["input_tokens"] for r in run.records()) / 8 > 40 * 1.05
     assert len(summary["warnings"]) == 1

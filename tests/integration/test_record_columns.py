@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcap.analysis import column_reader
-from kvcap.analysis.column_reader import read_columns
-from kvcap.analysis.quantiles import OrderStats, _value_counts, percentiles
 from kvcap.analysis.summary import build_summary
-from kvcap.analysis.tokens import count_each_token, count_tokens
 from kvcap.rundir import RunDir
+from kvcap.rundir.store import column_reader
+from kvcap.rundir.store.column_reader import read_columns
+from kvcap.rundir.store.quantiles import OrderStats, _value_counts, percentiles
+from kvcap.rundir.store.tokens import count_each_token, count_tokens
 from tests.conftest import ROOT, run_cli
 
 SCENARIO = str(ROOT / "scenarios" / "seed-reference.yaml")
@@ -44,8 +44,8 @@ def _without_run_facts(summary: dict[str, Any]) -> str:
 
 def _summary(out: Path, **reader: Any) -> str:
     run = RunDir(out)
-    return _without_run_facts(build_summary(run, slo=run.manifest.get("slo") or {},
-                                            reader=partial(read_columns, **reader) if reader else None))
+    return _without_run_facts(build_summary(run, slo=run.slo,
+                                            reader=partial(read_columns, **reader) if reader else None).to_json())
 
 
 def _jsonl_only(out: Path, monkeypatch: pytest.MonkeyPatch, **reader: Any) -> str:
@@ -93,7 +93,7 @@ def test_a_long_level_waits_on_disk_a_block_at_a_time(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     run = RunDir(out)
     (lv,) = run.levels()
-    windows = {("concurrency", 8.0): {0: (lv["measure_start_s"], lv["measure_end_s"])}}
+    windows = {("concurrency", 8.0): {0: (lv.measure_start_s, lv.measure_end_s)}}
     level = read_columns(out / "requests.jsonl", windows, block_rows=50)[("concurrency", 8.0)]
     sizes = [block.n for block in level.blocks()]
     assert level.n == sum(sizes) == len(run.records()) and sizes[:-1] == [50] * (len(sizes) - 1) and sizes[-1] < 50

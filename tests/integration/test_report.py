@@ -27,6 +27,7 @@ from kvcap.report.format import esc, fmt, fmtm, level_name, pair, signed, value_
 from kvcap.report.html import render_html, render_html_single, write_html
 from kvcap.report.markdown import render_markdown, render_markdown_single
 from kvcap.rundir import MANIFEST, RunDir, RunWriter, write_json_atomic
+from kvcap.rundir.levels import LevelRow
 
 CHROMIUM = os.environ.get("KVCAP_CHROMIUM", "/usr/bin/chromium")
 LEVELS = (4, 8, 12)
@@ -44,7 +45,7 @@ def synth_run(out: Path, slots: int, arm: str, seed: int) -> Path:
     """A closed-loop run against a model server with ``slots`` decode slots, written as kvcap writes runs."""
     rng = random.Random(seed)
     w = RunWriter(out)
-    manifest = {"tool": "kvcap", "source": "bench", "arm": arm, "run_id": f"synth{seed}", "slo": SLO,
+    manifest = {"tool": "kvcap", "source": "bench", "arm": arm, "run_id": f"synth{seed}", "started_at": 0.0, "slo": SLO,
                 "server": {"models": [XSS_MODEL], "engine": "vllm"},
                 "fixed": {"target.url": f"http://127.0.0.1:{9000 + seed}/v1/completions",
                           "model.name": XSS_MODEL, "workload.prompt_set": "a|b", "workload.output_tokens": "20",
@@ -241,12 +242,13 @@ def test_formatting_helpers():
 
 
 def test_level_windows_merge_workers_and_order_by_start():
-    levels = [{"mode": "concurrency", "level": 8, "repeat": 0, "worker": 1, "t_start_s": 10.5, "measure_start_s": 11,
-               "measure_end_s": 20, "t_end_s": 21},
-              {"mode": "concurrency", "level": 8, "repeat": 0, "worker": 0, "t_start_s": 10.0, "measure_start_s": 11.5,
-               "measure_end_s": 19.5, "t_end_s": 22},
-              {"mode": "concurrency", "level": 4, "t_start_s": 0.0, "measure_end_s": float("nan")},
-              {"mode": "concurrency", "level": "bad"}]
+    rows = [{"mode": "concurrency", "level": 8, "repeat": 0, "worker": 1, "t_start_s": 10.5, "measure_start_s": 11,
+             "measure_end_s": 20, "t_end_s": 21},
+            {"mode": "concurrency", "level": 8, "repeat": 0, "worker": 0, "t_start_s": 10.0, "measure_start_s": 11.5,
+             "measure_end_s": 19.5, "t_end_s": 22},
+            {"mode": "concurrency", "level": 4, "t_start_s": 0.0, "measure_start_s": float("nan"),
+             "measure_end_s": float("nan")}]
+    levels = [LevelRow.model_validate(row) for row in rows]
     assert level_windows(levels) == [
         {"mode": "concurrency", "level": 4, "repeat": 0, "t_start_s": 0.0},
         {"mode": "concurrency", "level": 8, "repeat": 0, "t_start_s": 10.0, "measure_start_s": 11, "measure_end_s": 20,

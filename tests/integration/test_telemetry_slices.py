@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from kvcap.analysis import telemetry_slices
-from kvcap.analysis.column_file import Damaged, TelemetryWriter, fingerprint, telemetry_span
-from kvcap.analysis.level_blocks import Spill
 from kvcap.analysis.summary import build_summary
 from kvcap.analysis.telemetry import Telemetry, read_telemetry
 from kvcap.analysis.telemetry_nodes import NodeFigures
 from kvcap.rundir import COLUMN_COPIES, TELEMETRY, RunDir
+from kvcap.rundir.store.column_file import Damaged, TelemetryWriter, fingerprint, telemetry_span
+from kvcap.rundir.store.level_blocks import Spill
 from tests.conftest import ROOT, run_cli
 
 SCENARIO = str(ROOT / "scenarios" / "seed-reference.yaml")
@@ -39,7 +39,7 @@ def long_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _summary(out: Path) -> str:
     run = RunDir(out)
-    return json.dumps(build_summary(run, slo=run.manifest.get("slo") or {}), sort_keys=True)
+    return json.dumps(build_summary(run, slo=run.slo).to_json(), sort_keys=True)
 
 
 def test_the_summary_is_the_whole_telemetrys_in_any_slices(long_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from kvcap.analysis.column_reader import read_columns
 from kvcap.analysis.summary import build_summary
 from kvcap.rundir import RunDir
+from kvcap.rundir.store.column_reader import read_columns
 from tests.conftest import ROOT
 
 GOLDEN = ROOT / "tests" / "data" / "summary_golden"
@@ -37,7 +37,7 @@ def test_the_new_analysis_gives_the_old_summary(which: str, chunk_bytes: int | N
     run = GOLDEN / which
     expected = _trends_to_9_digits(json.loads((run / "summary.expected.json").read_text()))
     reader = partial(read_columns, chunk_bytes=chunk_bytes) if chunk_bytes else None
-    got = json.loads(json.dumps(build_summary(RunDir(run), reader=reader)))
+    got = json.loads(json.dumps(build_summary(RunDir(run), reader=reader).to_json()))
     assert got == expected
     assert json.dumps(got) == json.dumps(expected)
     # the runs hold what the comparison is about: errors of several classes, ITLs, telemetry by node

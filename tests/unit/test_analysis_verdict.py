@@ -1,6 +1,6 @@
 """The A/B verdict on hand-made arm pairs: performance-scaling, capacity-only, no-gain, regression.
 
-DESIGN.md's definitions: more effective capacity *and* a goodput gain beyond noise (the 95% interval of the
+docs/run-directory.md's definitions (compare.json's verdict): more effective capacity *and* a goodput gain beyond noise (the 95% interval of the
 difference excludes 0) is performance scaling; the same stable concurrency but more resident requests is
 capacity only; less effective capacity, or a goodput loss beyond noise, is a regression; else no gain.
 """
@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 
 from kvcap.analysis.verdict import BOOT_EXACT_MAX, _boot, decide, same_caliber, treatment_took_effect
+from kvcap.rundir.compare import ArmResult
+from kvcap.rundir.manifest import Manifest
+from kvcap.rundir.summary import LevelSummary
 
 
-def arm(effective: float | None, resident: int | None) -> dict:
-    return {"effective": effective, "resident": resident}
+def arm(effective: float | None, resident: int | None) -> ArmResult:
+    return ArmResult(effective=effective, resident=resident, resident_source=None, stress_limit=None,
+                     goodput_tok_s=0.0, goodput_level=None, limited_by=None, arm="a")
 
 
 @pytest.mark.parametrize(("control", "treatment", "ci", "verdict"), [
@@ -34,11 +38,12 @@ def test_decide(control, treatment, ci, verdict):
 
 
 def test_same_caliber():
-    control = {"fixed": {"model.name": "llama-3.1-8b", "cluster.gpus": 4, "serving.kv_offload": "none",
-                         "target.url": "http://a:8000", "workload.input_tokens": 1024},
-               "under_test": ["serving.kv_offload"]}
-    treatment = {"fixed": {"model.name": "llama-3.1-8b", "cluster.gpus": 4, "serving.kv_offload": "host",
-                           "target.url": "http://b:8000", "workload.input_tokens": 2048, "load.repeats": 3}}
+    control = Manifest(source="bench", run_id="c", started_at=0.0, under_test=["serving.kv_offload"],
+                       fixed={"model.name": "llama-3.1-8b", "cluster.gpus": 4, "serving.kv_offload": "none",
+                              "target.url": "http://a:8000", "workload.input_tokens": 1024})
+    treatment = Manifest(source="bench", run_id="t", started_at=0.0,
+                         fixed={"model.name": "llama-3.1-8b", "cluster.gpus": 4, "serving.kv_offload": "host",
+                                "target.url": "http://b:8000", "workload.input_tokens": 2048, "load.repeats": 3})
     c = same_caliber(control, treatment, allow=set())
     assert c["equal"] is False
     assert c["differences"] == [{"key": "load.repeats", "control": None, "treatment": 3},
@@ -47,13 +52,22 @@ def test_same_caliber():
     assert c["under_test"] == ["serving.kv_offload"]                 # target.url is expected to differ: not listed
     allowed = same_caliber(control, treatment, allow={"workload.input_tokens", "load.repeats"})
     assert allowed["equal"] is True and len(allowed["allowed_differences"]) == 3
-    assert same_caliber({}, {}, set()) == {"equal": True, "differences": [], "allowed_differences": [],
+    assert same_caliber(None, None, set()) == {"equal": True, "differences": [], "allowed_differences": [],
                                            "under_test": []}
 
 
-def _summary(*levels: tuple[float, float | None, float | None]) -> dict:
-    return {"levels": [{"level": c, "server_running_max": run, "server_parked_max": parked}
-                       for c, run, parked in levels]}
+_EMPTY = {"p50": None, "p90": None, "p95": None, "p99": None, "mean": None}
+
+
+def _summary(*levels: tuple[float, float | None, float | None]) -> list[LevelSummary]:
+    """Summary levels with the server's running and parked maxima; the rest neutral."""
+    return [LevelSummary.model_validate({
+        "mode": "concurrency", "level": c, "requests": 1, "ok": 1, "errors": 0, "cancelled": 0, "error_classes": {},
+        "output_tok_s": 0.0, "request_s": 0.0, "output_tok_s_repeats": [], "goodput_tok_s": 0.0,
+        "goodput_tok_s_repeats": [], "in_flight_mean": None, "error_rate": 0.0, "truncated": 0,
+        "output_tokens_mean": None, "input_tokens_mean": None, "ttft_ms": _EMPTY, "tpot_ms": _EMPTY, "e2e_ms": _EMPTY,
+        "itl_ms": _EMPTY, "queue_ms": _EMPTY, "send_delay_ms": _EMPTY, "ci95": {}, "slo_ok": True,
+        "failed_checks": [], "server_running_max": run, "server_parked_max": parked}) for c, run, parked in levels]
 
 
 def test_treatment_took_effect():

@@ -12,9 +12,9 @@ import math
 
 import pytest
 
-from kvcap.analysis.audit import audit_table
 from kvcap.analysis.slo import parse_slo
-from kvcap.analysis.table import read_table
+from kvcap.audit.across_levels import audit_table
+from kvcap.audit.table import read_table
 from kvcap.plan import plan, resolve
 from kvcap.specs.scenario import load_scenario
 from tests.conftest import ROOT

@@ -15,7 +15,8 @@ from kvcap.sim.engine import Simulation
 from kvcap.sim.links import LinkSet
 from kvcap.sim.policy import Batch, SchedulingPolicy
 from kvcap.sim.policy_vllm import VllmPolicy
-from kvcap.sim.replica import Replica, ReplicaConfig
+from kvcap.sim.replica import Replica
+from kvcap.sim.replica_state import ReplicaConfig, ReplicaState
 from kvcap.sim.request import SimRequest
 from kvcap.specs.hardware import load_gpu
 from kvcap.specs.model import load_model
@@ -28,9 +29,8 @@ def replica(blocks: int, *, max_num_seqs: int = 8, budget: int = 64, policy: Sch
     cfg = ReplicaConfig(blocks=blocks, block_size=BLOCK, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         chunked_prefill=True, cost=cost_model(load_model("llama-2-7b"), load_gpu("rtx4090")),
                         kv_bytes_per_token=1.0, hash_block_tokens=0, prefix_caching=False, park_after_prefill=False,
-                        node=0, host_link=None, nic_links=(), policy=policy or VllmPolicy(),
-                        max_model_len=max_model_len)
-    sim = Simulation([cfg], {}, LinkSet())
+                        node=0, host_link=None, nic_links=(), max_model_len=max_model_len)
+    sim = Simulation([cfg], {}, LinkSet(), lambda: policy or VllmPolicy())
     return sim.replicas[0], sim
 
 
@@ -121,10 +121,10 @@ class OneAtATime:
     """A second engine profile through the same seam: one request at a time, its whole sequence's blocks taken
     at admission, the prompt in one step, then every output token in one decode span."""
 
-    def rejects(self, rep: Replica, req: SimRequest) -> bool:
+    def rejects(self, rep: ReplicaState, req: SimRequest) -> bool:
         return rep.hbm.blocks_for(req.prompt + req.max_out) > rep.cfg.blocks
 
-    def next_batch(self, rep: Replica, now: float) -> Batch:
+    def next_batch(self, rep: ReplicaState, now: float) -> Batch:
         batch = Batch()
         if rep.running:
             batch.decoders.append(rep.running[0])
@@ -137,13 +137,13 @@ class OneAtATime:
             batch.prefills.append((req, req.prompt))
         return batch
 
-    def should_cut_span(self, rep: Replica) -> bool:
+    def should_cut_span(self, rep: ReplicaState) -> bool:
         return False
 
-    def admits_after_one_step(self, rep: Replica) -> bool:
+    def admits_after_one_step(self, rep: ReplicaState) -> bool:
         return False
 
-    def on_prefilled(self, rep: Replica, completed: list[SimRequest], now: float) -> None:
+    def on_prefilled(self, rep: ReplicaState, completed: list[SimRequest], now: float) -> None:
         pass
 
 

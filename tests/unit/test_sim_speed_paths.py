@@ -5,6 +5,7 @@ built without ``round`` on their zeros, and ``round_to`` in place of ``round``."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import struct
@@ -27,7 +28,7 @@ from kvcap.specs.model import load_model
 def _general_step_times(cm: CostModel, batch: BatchShape, steps: int) -> np.ndarray:
     """The span's step times as the simulator computed them before: both lines, their maximum."""
     n, ctx = batch.n_decode, batch.decode_context_tokens
-    fpair, fkv, ftok = cm._attn[0], cm._attn[1], cm._attn[2]
+    fpair, fkv, ftok = cm._attn.full_pair_s, cm._attn.full_context_s, cm._attn.full_token_s
     c0, m0 = fpair * ctx, fkv * ctx + ftok * n
     i = np.arange(steps, dtype=float)
     return (cm.iteration_time(batch).total_s - max(c0, m0)) + np.maximum(c0 + fpair * n * i, m0 + fkv * n * i)
@@ -51,10 +52,10 @@ def test_span_step_ends_are_the_general_cumsum_to_the_bit(model: str, gpu: str, 
     token's read, so the compute line leads some spans and the lines cross inside others."""
     cm = CostModel(load_model(model), load_gpu(gpu), weights_dtype="fp16")
     if compute_heavy:
-        cm._attn = (1.5 * cm._attn[1], *cm._attn[1:])
+        cm._attn = dataclasses.replace(cm._attn, full_pair_s=1.5 * cm._attn.full_context_s)
     for batch, k in _spans():
         times = cm.decode_step_times(batch, k)
-        if not cm._attn[3]:  # full attention only: sliding-window models price each step, unchanged
+        if not cm._attn.sliding_pair_s:  # full attention only: sliding-window models price each step, unchanged
             assert times.tobytes() == _general_step_times(cm, batch, k).tobytes()
         expected = times.cumsum()
         expected += 123.456789

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvcap.ab.experiment import packaged_scenario
 from kvcap.analysis.telemetry import (
     HOLD,
     Series,
@@ -25,7 +26,6 @@ from kvcap.analysis.telemetry import (
     series_of,
 )
 from kvcap.analysis.telemetry_nodes import node_figures, nodes
-from kvcap.experiment import packaged_scenario
 from kvcap.rundir import RunDir
 from kvcap.sim.run import SimConfig, run_sim
 from kvcap.specs.scenario import load_scenario

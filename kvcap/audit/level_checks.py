@@ -3,7 +3,7 @@
 In a closed loop at fixed concurrency C, aggregate output throughput T fixes each stream's rate T/C; with N
 output tokens per request that fixes E2E = N·C/T, and since E2E = TTFT + (N−1)·TPOT it fixes the mean TPOT
 too, even when the table prints none. Each check appends findings (dicts: level, arm, check, severity,
-message, numbers) and fills the level's derived numbers; checks across levels live in `kvcap.analysis.audit`.
+message, numbers) and fills the level's derived numbers; checks across levels live in `kvcap.audit.across_levels`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcap.analysis.slo import SloItem, judge_statistic, percentile_limits, percentile_number
-from kvcap.analysis.table import Num, TableRow, combine_bounds, flip_bound
+from kvcap.audit.table import Num, TableRow, combine_bounds, flip_bound
 
 CONSISTENCY_TOLERANCE = 0.20
 """Two estimates of the same quantity that differ by more than this fraction are called inconsistent."""

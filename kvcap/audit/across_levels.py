@@ -1,11 +1,11 @@
 """Audit a published capacity table (concurrency, output tok/s, TTFT…) against its own arithmetic.
 
 Capacity claims usually arrive as a small table, and its numbers constrain each other: each level's
-throughput fixes its mean TPOT and Little's law (`kvcap.analysis.audit_checks`); successive levels give the
+throughput fixes its mean TPOT and Little's law (`kvcap.audit.level_checks`); successive levels give the
 scaling efficiency (the article's condition a); a memory plan says whether the "VRAM-only" arm was
 VRAM-bound at all; and the levels that pass every check give the effective capacity the table supports.
 This module runs the checks across levels and puts the findings together. Pure functions: the CLI reads
-the CSV with `kvcap.analysis.table.read_table` and prints what `audit_table` returns.
+the CSV with `kvcap.audit.table.read_table` and prints what `audit_table` returns.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import math
 import re
 from typing import Any
 
-from kvcap.analysis.audit_checks import Finding, audit_level, finding, level_label, level_value, rounded
 from kvcap.analysis.capacity import MIN_SCALING
-from kvcap.analysis.table import Num, TableRow, combine_bounds, flip_bound, parse_row
+from kvcap.audit.level_checks import Finding, audit_level, finding, level_label, level_value, rounded
+from kvcap.audit.table import Num, TableRow, combine_bounds, flip_bound, parse_row
 from kvcap.errors import InputError
 from kvcap.plan import PlanResult, round_up
 

@@ -1,6 +1,6 @@
 """The column copy of ``requests.jsonl`` (``requests.columns``) taken from a run's records as it writes them.
 
-Why: the records are in hand as they are written, so their columns cost one ``_extract`` per chunk of them, where
+Why: the records are in hand as they are written, so their columns cost one ``extract`` per chunk of them, where
 parsing the JSONL back (per-token ITLs as millions of JSON floats) was a quarter of a long ``kvcap sim``. The
 run's closing summary then reads the copy like any later ``analyze`` does — one path, a level's blocks at a time,
 in memory that does not grow with the run (``column_reader``).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcap.analysis.column_file import ColumnWriter
-from kvcap.analysis.columns import _error_codes, _extract, _level_codes
+from kvcap.rundir.store.column_file import ColumnWriter
+from kvcap.rundir.store.columns import error_codes, extract, level_codes
 
 
 class RecordColumns:
@@ -20,7 +20,7 @@ class RecordColumns:
 
     def __init__(self, sink: ColumnWriter, chunk: int = 4096):
         self.sink, self.chunk = sink, chunk
-        self.keys, self.errors = _level_codes(), _error_codes()
+        self.keys, self.errors = level_codes(), error_codes()
         self.buf: list[dict[str, Any]] = []
 
     def add(self, rec: dict[str, Any]) -> None:
@@ -31,7 +31,7 @@ class RecordColumns:
     def flush(self) -> None:
         if self.buf:
             recs, self.buf = self.buf, []
-            self.sink.append(_extract(recs, self.keys, self.errors))
+            self.sink.append(extract(recs, self.keys, self.errors))
 
     def close_file(self, written: int) -> None:
         """The last records into the column file, and its index written (after ``requests.jsonl`` is closed)."""

@@ -20,8 +20,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from kvcap.analysis.columns import LevelArrays, Window, _Builder
-from kvcap.analysis.quantiles import ItlValues
+from kvcap.rundir.store.columns import Builder, LevelArrays, Window
+from kvcap.rundir.store.quantiles import ItlValues
 
 
 class Spill:
@@ -78,7 +78,7 @@ class Level:
         """Token counts per window of the whole level, from a second read (``column_reader._count_again``)."""
 
     @classmethod
-    def built(cls, b: _Builder, spill: Spill | None) -> Level:
+    def built(cls, b: Builder, spill: Spill | None) -> Level:
         cols, win_tokens = b.rest()
         rest = LevelArrays.of_block(cols, win_tokens, b.error_names, b.itl_ok, b.itl_kept())
         return cls(b.spilled, spill, b.windows or (), rest, b.itl_ok, b.error_names)

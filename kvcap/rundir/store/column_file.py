@@ -36,7 +36,7 @@ FIELDS = {**dict.fromkeys(("start", "ttft", "tpot", "e2e", "end", "out_tokens", 
                           "f"),
           "repeat": "i", "ok": "b", "truncated": "b", "phase": "i", "error": "i", "cancelled": "b", "key": "i",
           "itl_len": "i", "itl": "fu"}
-"""A chunk of request records' columns, as ``columns._extract`` makes them, in the order they are stored, with the
+"""A chunk of request records' columns, as ``columns.extract`` makes them, in the order they are stored, with the
 dtype kinds each may have (``itl`` alone has its own length)."""
 _STORED = {"key": np.int32, "itl_len": np.int32}
 """Integer request columns stored narrower than they are used (read back as int64)."""
@@ -209,7 +209,7 @@ def _itl_stored(itl: np.ndarray) -> np.ndarray:
 
 
 class ColumnWriter(_Writer):
-    """``requests.columns``: records' columns (``_extract``'s) as the run writes them, stored in chunks of at least
+    """``requests.columns``: records' columns (``extract``'s) as the run writes them, stored in chunks of at least
     ``min_rows`` records (a JSONL parsed a megabyte at a time gives ~500: each stored chunk's 18 array headers
     cost more to read back than its data)."""
 
@@ -254,7 +254,7 @@ class StoredColumns:
         self.errors = [str(e) for e in index["errors"]]
 
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
-        """Each chunk's columns with the dtypes ``_extract`` gives (plus ``itl_us``: the ITLs as stored, when in µs);
+        """Each chunk's columns with the dtypes ``extract`` gives (plus ``itl_us``: the ITLs as stored, when in µs);
         ``Damaged`` if the file falls short."""
         for cols in _chunks(self.jsonl, self.index, FIELDS, own_length=("itl",)):
             n = cols["start"].size

@@ -1,6 +1,6 @@
 """Request records as per-level numpy columns: the arrays the statistics are vectorised over
-(:class:`LevelArrays`), how a chunk of records becomes columns (``_extract``), and how a level's columns grow as
-chunks arrive (``_Builder``), a block at a time when the level is long. Reading a file into them is
+(:class:`LevelArrays`), how a chunk of records becomes columns (``extract``), and how a level's columns grow as
+chunks arrive (``Builder``), a block at a time when the level is long. Reading a file into them is
 ``column_reader``'s; a level as blocks is ``level_blocks``'.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvcap.analysis.quantiles import ITL_EXACT_MAX, ItlValues
-from kvcap.analysis.tokens import Window, count_tokens, itls_of
+from kvcap.rundir.store.quantiles import ITL_EXACT_MAX, ItlValues
+from kvcap.rundir.store.tokens import Window, count_tokens, itls_of
 
 Key = tuple[str, float]
 SLO_METRICS = ("ttft", "tpot", "e2e", "queue")
@@ -40,9 +40,9 @@ class LevelArrays:
 
     def __init__(self, records: Iterable[dict[str, Any]] = (), slo: dict[str, float] | None = None,
                  windows: Sequence[Window] | None = None):
-        b = _Builder(tuple(windows) if windows is not None else None)
-        errors = _error_codes()
-        b.add(_extract(list(records), _level_codes(), errors), None)
+        b = Builder(tuple(windows) if windows is not None else None)
+        errors = error_codes()
+        b.add(extract(list(records), level_codes(), errors), None)
         b.error_names = list(errors.ids)
         cols, win_tokens = b.rest()
         self._take(cols, win_tokens, b.error_names, b.itl_ok, b.itl_kept())
@@ -164,7 +164,7 @@ def _fields(recs: list[dict[str, Any]]) -> tuple[list[Any], ...]:
                 [r.get("itl_ms") for r in recs])
 
 
-def _extract(recs: list[dict[str, Any]], keys: Codes, errors: Codes) -> dict[str, Any]:
+def extract(recs: list[dict[str, Any]], keys: Codes, errors: Codes) -> dict[str, Any]:
     """One chunk's records as columns (all levels together), its ITLs flat, and each record's level id."""
     numbers, tags, phases, errs, itls = _fields(recs)
     n = len(recs)
@@ -196,15 +196,15 @@ def _extract(recs: list[dict[str, Any]], keys: Codes, errors: Codes) -> dict[str
     return cols
 
 
-def _level_codes() -> Codes:
+def level_codes() -> Codes:
     return Codes(lambda raw: (str(raw[0]), float(raw[1])))
 
 
-def _error_codes() -> Codes:
+def error_codes() -> Codes:
     return Codes(str)
 
 
-class _Column:
+class Column:
     """One growing column, doubled when full: a long level is a few large allocations, each handed back to the
     system when replaced, not thousands of chunk-sized pieces that stay in the heap after a final concatenate
     (which held a 10M-record run at twice its columns)."""
@@ -246,7 +246,7 @@ class Spill(Protocol):
     def put(self, arrays: dict[str, np.ndarray]) -> Any: ...
 
 
-class _Builder:
+class Builder:
     """One level's columns as chunks arrive; its token counts for the windows known up front. With a ``spill``,
     each ``block_rows`` rows (counted exactly, whatever the chunks: the figures must not depend on how a file was
     chunked) go to it as a block."""
@@ -254,8 +254,8 @@ class _Builder:
     def __init__(self, windows: tuple[Window, ...] | None, itl_exact_max: int = ITL_EXACT_MAX,
                  keep_itl_max: float = math.inf, spill: Spill | None = None, block_rows: int = BLOCK_ROWS):
         self.windows = windows
-        self.parts: dict[str, _Column] = {}
-        self.win_parts = [_Column(np.int32) for _ in windows or ()]
+        self.parts: dict[str, Column] = {}
+        self.win_parts = [Column(np.int32) for _ in windows or ()]
         self.itl_parts: list[tuple[np.ndarray, np.ndarray]] = []  # kept only when the windows are not known
         self.itl_ok = ItlValues(itl_exact_max)
         self.error_names: list[str] = []
@@ -282,7 +282,7 @@ class _Builder:
         mine["has_itl"] = lens > 0
         for k, v in mine.items():
             if k not in self.parts:
-                self.parts[k] = _Column(v.dtype)
+                self.parts[k] = Column(v.dtype)
             self.parts[k].extend(v)
         first = mine["start"] + mine["ttft"] / 1e3
         if self.windows is None and not self.recount:

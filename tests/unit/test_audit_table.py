@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from kvcap.analysis.audit import audit_table
-from kvcap.analysis.table import Num, combine_bounds, flip_bound, normalize_header, parse_row, read_table
+from kvcap.audit.across_levels import audit_table
+from kvcap.audit.table import Num, combine_bounds, flip_bound, normalize_header, parse_row, read_table
 from kvcap.errors import InputError
 from tests.conftest import ROOT
 

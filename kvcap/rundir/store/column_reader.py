@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.column_file import ColumnWriter, Damaged, fingerprint, stored_columns, writable
-from kvcap.analysis.columns import BLOCK_ROWS, Key, _Builder, _Column, _error_codes, _extract, _level_codes
-from kvcap.analysis.level_blocks import Level, Spill
-from kvcap.analysis.quantiles import ITL_EXACT_MAX
-from kvcap.analysis.tokens import Window, count_tokens, itls_of
 from kvcap.rundir import CHUNK_BYTES, gc_paused, jsonl_chunks
+from kvcap.rundir.store.column_file import ColumnWriter, Damaged, fingerprint, stored_columns, writable
+from kvcap.rundir.store.columns import BLOCK_ROWS, Builder, Column, Key, error_codes, extract, level_codes
+from kvcap.rundir.store.level_blocks import Level, Spill
+from kvcap.rundir.store.quantiles import ITL_EXACT_MAX
+from kvcap.rundir.store.tokens import Window, count_tokens, itls_of
 
 Reader = Callable[[Path, dict[Key, dict[int, Window]]], dict[Key, Level]]
 """Records → per-level columns, given the measured windows known up front (``read_columns``)."""
@@ -38,8 +38,8 @@ Reader = Callable[[Path, dict[Key, dict[int, Window]]], dict[Key, Level]]
 def columns_of(chunks: Iterable[list[dict[str, Any]]], windows: dict[Key, dict[int, Window]],
                itl_exact_max: int = ITL_EXACT_MAX) -> dict[Key, Level]:
     """Per (mode, level): its records' columns. ``windows``: the measured windows known up front, per repeat."""
-    keys, errors = _level_codes(), _error_codes()
-    extracted = (_extract(recs, keys, errors) for recs in chunks if recs)
+    keys, errors = level_codes(), error_codes()
+    extracted = (extract(recs, keys, errors) for recs in chunks if recs)
     return _levels(extracted, windows, keys.ids, errors.ids, itl_exact_max)
 
 
@@ -53,12 +53,12 @@ def _levels(extracted: Iterable[dict[str, Any]], windows: dict[Key, dict[int, Wi
             error_ids: dict[str, int], itl_exact_max: int,
             again: Callable[[], Iterable[dict[str, Any]]] | None = None,
             spill: Spill | None = None, block_rows: int = BLOCK_ROWS) -> dict[Key, Level]:
-    """Chunks of columns (``_extract``'s) into one builder per level, made on its first record; ``key_ids`` and
+    """Chunks of columns (``extract``'s) into one builder per level, made on its first record; ``key_ids`` and
     ``error_ids`` give the chunks' codes (filled as the chunks are made, when they come from records).
     ``again``: the same chunks once more, with the same codes (without it, a level without windows keeps its
     ITLs whatever their number); ``spill``: where a level's blocks of ``block_rows`` rows wait (with ``again``
     only: a spilled level without windows is recounted)."""
-    builders: dict[int, _Builder] = {}
+    builders: dict[int, Builder] = {}
     keep = KEEP_ITL_MAX if again is not None else math.inf
     with gc_paused():
         for cols in extracted:
@@ -66,7 +66,7 @@ def _levels(extracted: Iterable[dict[str, Any]], windows: dict[Key, dict[int, Wi
             for kid in ids.tolist():
                 if kid not in builders:
                     key = next(k for k, v in key_ids.items() if v == kid)
-                    builders[kid] = _Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max,
+                    builders[kid] = Builder(tuple(windows[key].values()) if key in windows else None, itl_exact_max,
                                              keep, spill if again is not None else None, block_rows)
                 builders[kid].add(cols, None if ids.size == 1 else np.flatnonzero(cols["key"] == kid))
     names = list(error_ids)
@@ -85,7 +85,7 @@ def _count_again(out: dict[Key, Level], recount: dict[int, Key], extracted: Iter
     """The second read: each recounted level's tokens inside the windows its records give (``own_windows``, the
     ones the summary asks for), counted as the first read counts known windows."""
     wins = {kid: tuple(out[key].own_windows().values()) for kid, key in recount.items()}
-    counts = {kid: [_Column(np.int64) for _ in wins[kid]] for kid in recount}
+    counts = {kid: [Column(np.int64) for _ in wins[kid]] for kid in recount}
     with gc_paused():
         for cols in extracted:
             ids = np.unique(cols["key"])
@@ -124,10 +124,10 @@ def read_columns(path: Path, windows: dict[Key, dict[int, Window]], chunk_bytes:
                            Spill(path.parent), block_rows)
         except Damaged:
             pass
-    keys, errors = _level_codes(), _error_codes()
+    keys, errors = level_codes(), error_codes()
 
     def parsed() -> Iterator[dict[str, Any]]:
-        return (_extract(recs, keys, errors) for recs in jsonl_chunks(path, chunk_bytes) if recs)
+        return (extract(recs, keys, errors) for recs in jsonl_chunks(path, chunk_bytes) if recs)
 
     if not (write_copy and writable(path)):
         return _levels(parsed(), windows, keys.ids, errors.ids, itl_exact_max, parsed, Spill(path.parent), block_rows)

@@ -2,7 +2,7 @@
 
 Tables come as people write them — 'Output tok/s', 'TTFT p95 (ms)', '250 ms', '>900', '140 (+44%)' — so this
 module gives every column one spelling, every cell a number in one unit (latencies in ms) and keeps the
-direction of a bound (">900" means at least 900) for the checks in `kvcap.analysis.audit_checks` to carry
+direction of a bound (">900" means at least 900) for the checks in `kvcap.audit.level_checks` to carry
 through their arithmetic. It judges nothing.
 """
 

@@ -1,4 +1,4 @@
-"""Published serving measurements (summary points, not run directories) → the observations ``fit`` takes.
+"""Published serving measurements (summary points, not run directories) → the observations ``calibrate.fit`` takes.
 
 Why: benchmark reports of real vLLM give, per load level, only means (TTFT, TPOT, output throughput) of a
 ``benchmark_serving.py`` run — a Poisson rate with a fixed request count, or N requests sent at once (a burst).

@@ -1,0 +1,69 @@
+"""``levels.jsonl``: one line per level repeat — its windows, the load it achieved, the client's health.
+
+``bench`` writes one line per repeat (merged over its workers), ``sim`` one with the engine's counters; the analysis
+reads the windows (``measure_start_s``/``measure_end_s``) and the achieved load. The line is open to keys a
+recorder adds for its own diagnosis (a worker's identity, a preflight's findings): they are kept, not judged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ConfigDict, Field
+
+from kvcap.rundir.model import Number, RunModel
+
+
+class ClientHealth(RunModel):
+    """The load generator's own health over the level (bench; sim writes only ``warnings``)."""
+
+    model_config = ConfigDict(extra="allow")
+    loop_lag_p50_ms: float | None = Field(None, description="event-loop lag, median (ms)")
+    loop_lag_p99_ms: float | None = Field(None, description="event-loop lag, 99th percentile (ms)")
+    loop_lag_max_ms: float | None = Field(None, description="event-loop lag, max (ms)")
+    cpu_fraction: float | None = Field(None, description="CPU time of the client process / wall time")
+    warnings: list[str] = Field(default_factory=list, description="what may have limited the client")
+    per_worker: list[dict[str, Any]] | None = Field(None, description="bench with workers: each worker's figures")
+
+
+class SimLevel(RunModel):
+    """What ``sim`` adds: the engine's counters over the level repeat."""
+
+    model_config = ConfigDict(extra="allow")
+    events: int = Field(description="engine events")
+    wall_s: float = Field(description="wall time in the engine (s)")
+    simulated_s: float = Field(description="simulated time (s)")
+    realtime_factor: float | None = Field(None, description="simulated_s / wall_s")
+    native: bool | None = Field(None, description="the compiled engine ran")
+    preemptions: int = Field(0, description="requests preempted")
+    running_peak: int | None = Field(None, description="most requests running at once")
+    waiting_peak: int | None = Field(None, description="most requests waiting at once")
+    finished: int = Field(description="requests finished")
+    errors: int = Field(description="requests failed")
+    cancelled: int = Field(0, description="requests cancelled at the level's end")
+
+
+class LevelRow(RunModel):
+    """One line of ``levels.jsonl``."""
+
+    model_config = ConfigDict(extra="allow")
+    mode: str = Field(description="load model: 'concurrency', 'rate' or 'trace'")
+    level: Number = Field(description="the load: concurrency, rate (requests/s) or trace speed (×)")
+    repeat: int = Field(0, description="the repeat (0-based)")
+    target: Number | None = Field(None, description="the load asked of this line's client(s)")
+    t_start_s: float | None = Field(None, description="the level repeat's start, run seconds")
+    t_end_s: float | None = Field(None, description="its end (the last request finished), run seconds")
+    measure_start_s: float = Field(description="measured window start, run seconds")
+    measure_end_s: float = Field(description="measured window end, run seconds")
+    sent_measured: int | None = Field(None, description="requests sent inside the measured window")
+    late_sends: int | None = Field(None, description="open loop: sends later than their schedule")
+    achieved_rate: float | None = Field(None, description="open loop: requests/s actually sent")
+    backoff_s: float | None = Field(None, description="bench: time spent backing off on errors (s)")
+    stopped: dict[str, Any] | None = Field(None, description="bench: where the error rule stopped the sweep")
+    worker: int | None = Field(None, description="bench: the worker that wrote this line (one worker)")
+    workers: int | None = Field(None, description="bench: the workers merged into this line")
+    concurrency_this_worker: int | None = Field(None, description="bench: this worker's share of the concurrency")
+    client: ClientHealth = Field(default_factory=ClientHealth, description="the load generator's health")
+    interrupted: bool = Field(False, description="the level was interrupted (Ctrl-C)")
+    sim: SimLevel | None = Field(None, description="sim: the engine's counters")
+    trace_requests: int | None = Field(None, description="trace mode: the trace rows replayed")
