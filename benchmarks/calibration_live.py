@@ -11,7 +11,7 @@ the what-if, and benches the server the what-if describes — the fit never sees
 - the same llama.cpp with a queue at the door: fit on 8 slots at c = 1, 2, 4, 8, 64 (56 requests waiting for a
   slot: ``step_cost.per_waiting``); predict c = 128 (120 waiting) on that server.
 
-    .venv/bin/python benchmarks/calibration_live.py [--json]     # ~3 min on 2 cores
+    .venv/bin/python benchmarks/calibration_live.py [--json]
 """
 
 from __future__ import annotations

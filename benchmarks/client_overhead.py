@@ -28,8 +28,8 @@ Because the server's timing is known exactly, the client's view of it can be sco
   their difference, both TPOT p50 and CPU s per 1k tokens, and the CPU ratio. With ``--rounds N`` each level
   alternates the tools N times; the table takes the median over rounds.
 * **other load** — every other process's CPU on the machine over the window (/proc/stat user+system minus client
-  and server). On a shared 2-core machine anything above ~0.2 cores skews the latency columns (not much the CPU
-  columns); ``--wait-quiet`` (default 300 s) waits before each run for the machine to calm down.
+  and server). On a shared machine other load skews the latency columns (not much the CPU columns);
+  ``--wait-quiet`` (default 300 s) waits before each run until it is under ``--quiet-cores``.
 
     .venv/bin/python benchmarks/client_overhead.py                      # kvcap, bare, guidellm: 32,256,1024
     .venv/bin/python benchmarks/client_overhead.py --quick              # shorter, 32 and 256 only
@@ -321,7 +321,7 @@ def finish_window(res: Result, sampler: Sampler, a: float, b: float, token_times
     res.cpu_window_s = c
     res.client_cores = c / res.window_s
     res.server_cores = s / res.window_s
-    # everything else the machine did meanwhile (other users' work, and this script's sampler: ~0.01 core)
+    # everything else the machine did meanwhile (other users' work, and this script's own light sampler)
     res.other_cores = max(0.0, sampler.at(b, 3) - sampler.at(a, 3) - c - s) / res.window_s
     res.softirq_cores = (sampler.at(b, 4) - sampler.at(a, 4)) / res.window_s
     res.cpu_per_1k_steady = c / (res.tokens_window / 1e3) if res.tokens_window else math.nan
