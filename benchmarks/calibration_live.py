@@ -79,7 +79,8 @@ def case(name: str, fit_on: str, profile: Callable[[Path], list[Path]], measure:
         meas = {row: value(m, k) for k, (_, _, row) in METRICS.items()}
         simd = {row: value(s, k) for k, (_, _, row) in METRICS.items()}
         out.append({"set": name, "level": c, "fit_on": fit_on, "measured": meas, "simulated": simd,
-                    "error_pct": {k: round((simd[row] / meas[row] - 1) * 100, 2) for k, (_, _, row) in METRICS.items()}})
+                    "error_pct": {k: round((simd[row] / meas[row] - 1) * 100, 2)
+                                  for k, (_, _, row) in METRICS.items()}})
     return out
 
 

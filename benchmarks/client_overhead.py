@@ -545,7 +545,8 @@ def fmt(x: float, nd: int = 1) -> str:
 
 def table(results: list[Result]) -> str:
     head = ["tool", "streams", "tok/s", "ceiling", "CPU s/1k tok", "CPU s/1k (run)", "fixed CPU s", "client cores",
-            "server cores", "softirq", "other load", "TTFT err p50", "ITL err p50/p99", "mean-ITL err p50/p99", "ok/failed"]
+            "server cores", "softirq", "other load", "TTFT err p50", "ITL err p50/p99", "mean-ITL err p50/p99",
+            "ok/failed"]
     rows = []
     for r in results:
         if not r.ok:
@@ -637,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidellm-venv", default=os.environ.get("GUIDELLM_VENV", str(HERE / ".venv-guidellm")))
     p.add_argument("--guidellm-workers", type=int, default=None,
                    help="GUIDELLM__MAX_WORKER_PROCESSES (default: guidellm's own, 10)")
-    p.add_argument("--setup-guidellm", action="store_true", help=f"create --guidellm-venv with guidellm=={GUIDELLM_VERSION}")
+    p.add_argument("--setup-guidellm", action="store_true",
+                   help=f"create --guidellm-venv with guidellm=={GUIDELLM_VERSION}")
     p.add_argument("--kvcap-python", default=sys.executable, help="python that has kvcap installed")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<timestamp>)")
     p.add_argument("--profile", type=int, default=None, metavar="STREAMS",
@@ -688,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
             for tool, rnd in ((t, k) for k in range(args.rounds) for t in tools):
                 best: Result | None = None
                 for attempt in range(args.retries + 1):
-                    run_dir = out / (f"{tool}-{c}" + (f"-round{rnd}" if rnd else "") + (f"-retry{attempt}" if attempt else ""))
+                    run_dir = out / (f"{tool}-{c}" + (f"-round{rnd}" if rnd else "")
+                                     + (f"-retry{attempt}" if attempt else ""))
                     res = one_run(args, tool, c, run_dir)
                     status = "ok" if res.ok else f"FAILED: {res.problem}"
                     print(f"  {tool:8s} {c:5d} streams: {fmt(res.tok_s, 0)} tok/s, TTFT p50 {fmt(res.ttft_p50, 2)} ms, "

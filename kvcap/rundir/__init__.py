@@ -1,10 +1,10 @@
 """Run directories: the one format ``bench`` and ``sim`` write and everything downstream reads.
 
-``manifest.json`` (fixed variables, dotted keys), ``requests.jsonl`` (one record per finished request, appended
-and flushed as each finishes), ``levels.jsonl`` (one line per level: its windows and achieved load),
-``telemetry.jsonl`` (samples), ``summary.json``. The contract is ``docs/run-directory.md``, generated from the
-models here (``manifest``, ``levels``, ``summary``: ``python -m kvcap.rundir.doc``). Appending with a flush per record means a SIGKILL loses at most
-the requests still in flight and a torn last line, which the readers skip.
+``manifest.json`` (fixed variables, dotted keys), ``requests.jsonl`` (one record per finished request, appended and
+flushed as each finishes), ``levels.jsonl`` (one line per level: its windows and achieved load), ``telemetry.jsonl``
+(samples), ``summary.json``. The contract is ``docs/run-directory.md``, generated from the models here
+(``manifest``, ``levels``, ``summary``: ``python -m kvcap.rundir.doc``). Appending with a flush per record means a
+SIGKILL loses at most the requests still in flight and a torn last line, which the readers skip.
 """
 
 from __future__ import annotations
