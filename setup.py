@@ -1,12 +1,12 @@
 """Build hook: the simulator's event loop compiled to C with mypyc where it can be, plain Python where it cannot.
 
-Why: the simulator's time is Python's per-step work (a policy decision, a batch, its tokens); the same code
-compiled runs faster (how much: ``benchmarks/README.md``, ``sim_speed.py``). Nothing else changes: the compiled modules are the ``.py``
-sources, and ``kvcap.sim.native`` loads those sources instead whenever the build does not match them. The manifest
-it checks (``kvcap/sim/_native.<abi>.json``, one per Python ABI, written only when every extension was built)
-holds the SHA-256 of every ``kvcap`` source as mypyc read it — the compiled modules and every module whose types
-they were compiled against. Without a C compiler, Python's headers or mypy (or with ``KVCAP_PURE=1``) the install
-is plain Python; ``kvcap sim`` then says so.
+Why: the simulator's time is Python's per-step work (a policy decision, a batch, its tokens); the same code compiled
+runs faster (how much: ``benchmarks/README.md``, ``sim_speed.py``). Nothing else changes: the compiled modules are
+the ``.py`` sources, and ``kvcap.sim.native`` loads those sources instead whenever the build does not match them.
+The manifest it checks (``kvcap/sim/_native.<abi>.json``, one per Python ABI, written only when every extension was
+built) holds the SHA-256 of every ``kvcap`` source as mypyc read it — the compiled modules and every module whose
+types they were compiled against. Without a C compiler, Python's headers or mypy (or with ``KVCAP_PURE=1``) the
+install is plain Python; ``kvcap sim`` then says so.
 """
 
 from __future__ import annotations

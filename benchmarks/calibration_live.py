@@ -11,7 +11,7 @@ the what-if, and benches the server the what-if describes — the fit never sees
 - the same llama.cpp with a queue at the door: fit on 8 slots at c = 1, 2, 4, 8, 64 (56 requests waiting for a
   slot: ``step_cost.per_waiting``); predict c = 128 (120 waiting) on that server.
 
-    .venv/bin/python benchmarks/calibration_live.py [--json]     # ~3 min on 2 cores
+    .venv/bin/python benchmarks/calibration_live.py [--json]
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def case(name: str, fit_on: str, profile: Callable[[Path], list[Path]], measure:
         meas = {row: value(m, k) for k, (_, _, row) in METRICS.items()}
         simd = {row: value(s, k) for k, (_, _, row) in METRICS.items()}
         out.append({"set": name, "level": c, "fit_on": fit_on, "measured": meas, "simulated": simd,
-                    "error_pct": {k: round((simd[row] / meas[row] - 1) * 100, 2) for k, (_, _, row) in METRICS.items()}})
+                    "error_pct": {k: round((simd[row] / meas[row] - 1) * 100, 2)
+                                  for k, (_, _, row) in METRICS.items()}})
     return out
 
 

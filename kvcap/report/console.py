@@ -200,7 +200,8 @@ def render_compare(result: dict[str, Any], console: Console | None = None) -> No
                    *((pair([v or 0 for v in row.get("server_parked_max") or [None, None]]),) if parked else ()))
     con.print(lv)
     for d in result.get("diagnosis", []):
-        con.print(f"[bold]{d['arm']}[/bold]: bounded by [bold]{d['bound']}[/bold] — {d['evidence']}. → {d['direction']}")
+        con.print(f"[bold]{d['arm']}[/bold]: bounded by [bold]{d['bound']}[/bold] — "
+                  f"{d['evidence']}. → {d['direction']}")
     for d in result["fixed_variables"]["allowed_differences"]:
         con.print(f"differs (allowed): {d['key']}: {d['control']!r} → {d['treatment']!r}")
     for w in result["warnings"]:

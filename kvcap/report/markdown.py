@@ -79,7 +79,8 @@ def render_markdown(result: dict[str, Any]) -> str:
     if g:
         ci = pair(g.get("ci95"))
         noise = "beyond noise" if g.get("beyond_noise") else "inside the noise"
-        line = f"Goodput Δ **{_signed(g.get('delta_tok_s'))} tok/s**, 95% CI [{_signed(ci[0])}, {_signed(ci[1])}] — {noise}."
+        line = (f"Goodput Δ **{_signed(g.get('delta_tok_s'))} tok/s**, "
+                f"95% CI [{_signed(ci[0])}, {_signed(ci[1])}] — {noise}.")
         if result.get("efficiency") is not None:
             line += f" Efficiency {fmt(result['efficiency'])}."
         out += ["", line]

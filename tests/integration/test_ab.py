@@ -51,7 +51,8 @@ def test_ab_interleaves_repeats_and_reports(tmp_path):
 
 def test_ab_bad_experiment_exit_2(tmp_path):
     path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump({"arms": [{"name": "a", "url": "http://127.0.0.1:9"}], "load": {"concurrency": [1]}}))
+    path.write_text(yaml.safe_dump({"arms": [{"name": "a", "url": "http://127.0.0.1:9"}],
+                                    "load": {"concurrency": [1]}}))
     p = run_cli("ab", str(path), "--out", str(tmp_path / "o"))
     assert p.returncode == 2 and "exactly two arms" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 

@@ -25,7 +25,8 @@ SAMPLES = {
              '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.82\n'
              '# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{model_name="m"} 5.0\n'
              '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{model_name="m"} 1024.0\n'
-             '# TYPE vllm:external_prefix_cache_hits counter\nvllm:external_prefix_cache_hits_total{model_name="m"} 512.0\n',
+             '# TYPE vllm:external_prefix_cache_hits counter\n'
+             'vllm:external_prefix_cache_hits_total{model_name="m"} 512.0\n',
              {"server.requests_running": 7, "server.requests_waiting": 3, "server.kv_usage": 0.82,
               "server.preemptions_total": 5, "server.prefix_cache_hits_total": 1024,
               "server.offload_prefix_hits_total": 512}),
@@ -33,7 +34,8 @@ SAMPLES = {
                '# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{model_name="m"} 4\n'
                '# TYPE sglang:token_usage gauge\nsglang:token_usage{model_name="m"} 0.5\n'
                '# TYPE sglang:hicache_host_used_tokens gauge\nsglang:hicache_host_used_tokens{model_name="m"} 9000\n'
-               '# TYPE sglang:hicache_host_total_tokens gauge\nsglang:hicache_host_total_tokens{model_name="m"} 90000\n',
+               '# TYPE sglang:hicache_host_total_tokens gauge\n'
+               'sglang:hicache_host_total_tokens{model_name="m"} 90000\n',
                {"server.requests_running": 12, "server.requests_waiting": 4, "server.kv_usage": 0.5,
                 "server.kv_host_used_tokens": 9000, "server.kv_host_total_tokens": 90000}),
     "tgi": ("# TYPE tgi_queue_size gauge\ntgi_queue_size 2\n# TYPE tgi_batch_current_size gauge\n"
@@ -79,7 +81,8 @@ def test_catalog_normalises_each_engines_names(engine):
 
 def test_catalog_units_and_unknown_names():
     assert entry("DCGM_FI_DEV_FB_USED").scale == 2**20 and entry("DCGM_FI_DEV_FB_USED").unit == "bytes"
-    assert entry("node_network_receive_bytes_total").rate and entry("node_network_receive_bytes_total").unit == "bytes/s"
+    assert (entry("node_network_receive_bytes_total").rate
+            and entry("node_network_receive_bytes_total").unit == "bytes/s")
     assert normalise("vllm:num_preemptions") == normalise("vllm:num_preemptions_total") == "server.preemptions_total"
     assert normalise("my_engine_queue") is None
     assert detect_engine(["foo", "bar"]) is None

@@ -46,7 +46,8 @@ def test_the_summary_is_the_whole_telemetrys_in_any_slices(long_run: Path, monke
     whole = _summary(long_run)  # 266 s simulated: one slice of SLICE_S
     assert len(list(telemetry_slices.telemetry_slices(RunDir(long_run)))) == 1
     summary = json.loads(whole)
-    assert summary["capacity"]["resident"] == 96 and summary["capacity"]["resident_source"] == "telemetry:running+parked"
+    assert (summary["capacity"]["resident"] == 96
+            and summary["capacity"]["resident_source"] == "telemetry:running+parked")
     assert all(lv["nodes"] and "server_parked_max" in lv for lv in summary["levels"])
     for slice_s in (5.0, 13.0, 64.0):
         monkeypatch.setattr(telemetry_slices, "SLICE_S", slice_s)

@@ -1,8 +1,9 @@
 """The A/B verdict on hand-made arm pairs: performance-scaling, capacity-only, no-gain, regression.
 
-docs/run-directory.md's definitions (compare.json's verdict): more effective capacity *and* a goodput gain beyond noise (the 95% interval of the
-difference excludes 0) is performance scaling; the same stable concurrency but more resident requests is
-capacity only; less effective capacity, or a goodput loss beyond noise, is a regression; else no gain.
+docs/run-directory.md's definitions (compare.json's verdict): more effective capacity *and* a goodput gain beyond
+noise (the 95% interval of the difference excludes 0) is performance scaling; the same stable concurrency but more
+resident requests is capacity only; less effective capacity, or a goodput loss beyond noise, is a regression; else no
+gain.
 """
 
 from __future__ import annotations
