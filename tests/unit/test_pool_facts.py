@@ -7,6 +7,12 @@ from kvcap.calibrate.fit import estimate_slots
 from kvcap.calibrate.observe import Observation, server_facts
 from kvcap.calibrate.output import kv_tokens_of
 from kvcap.loadgen.preflight import cache_config, sglang_facts
+from kvcap.rundir import Manifest
+
+
+def _manifest(server: dict) -> Manifest:
+    """A bench manifest carrying only what the server said of itself."""
+    return Manifest(source="bench", run_id="r", started_at=0.0, fixed={}, server=server)
 
 # vLLM 0.x /metrics (labels as a real engine prints them: strings, "None" for unset)
 VLLM = (
@@ -23,7 +29,7 @@ VLLM = (
 def test_vllm_cache_config_gives_blocks_block_size_and_prefix_caching():
     assert cache_config(VLLM) == {"num_gpu_blocks": 573, "block_size": 16, "enable_prefix_caching": True,
                                   "kv_engines": 1, "engine": "vllm"}
-    facts = server_facts({"server": cache_config(VLLM)})
+    facts = server_facts(_manifest(cache_config(VLLM)))
     assert kv_tokens_of(facts, 8, memory_arithmetic=False) == (573 * 16, facts.kv_tokens_source)
     assert "cache_config_info" in (facts.kv_tokens_source or "")
 
@@ -33,7 +39,7 @@ def test_data_parallel_engines_each_with_a_pool_add_up():
                    for i in range(4))
     got = cache_config("# TYPE vllm:cache_config_info gauge\n" + text)
     assert got["kv_engines"] == 4 and got["num_gpu_blocks"] == 100
-    assert server_facts({"server": got}).kv_tokens == 4 * 100 * 16
+    assert server_facts(_manifest(got)).kv_tokens == 4 * 100 * 16
 
 
 def test_no_or_broken_cache_config_says_nothing():
@@ -48,7 +54,7 @@ def test_sglang_server_info_gives_the_pool_and_the_running_limit_never_its_keys(
     nested = {"max_running_requests": None, "internal_states": [{"max_total_num_tokens": 32768}]}
     assert sglang_facts(nested) == {"max_total_num_tokens": 32768, "engine": "sglang"}
     assert sglang_facts({"version": "1"}) == {}
-    facts = server_facts({"server": sglang_facts(top)})
+    facts = server_facts(_manifest(sglang_facts(top)))
     assert facts.kv_tokens == 9000 and "max_total_num_tokens" in (facts.kv_tokens_source or "")
     obs = [Observation("r", "concurrency", c, 0.1, 0.1, 0.01, 0.01, 100.0 * c, 64, 32) for c in (1, 2)]
     assert estimate_slots(obs, facts) == (48, "server /get_server_info max_running_requests")
