@@ -283,7 +283,7 @@ def test_bench_bad_input(tmp_path, args, fragment):
 
 
 def test_unreachable_server_is_one_line_exit_1_not_a_run_of_errors(tmp_path):
-    # the preflight refuses it before any load (a server dying mid-run: tests/test_dead_endpoint.py)
+    # the preflight refuses it before any load (a server dying mid-run: tests/integration/test_dead_endpoint.py)
     p = run_cli("bench", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "run"), "--concurrency", "1",
                 "--input-tokens", "4", "--output-tokens", "2", "--warmup", "0s", "--requests", "3", "--quiet")
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "cannot reach" in p.stderr, p.stderr

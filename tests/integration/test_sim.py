@@ -326,7 +326,7 @@ def test_the_same_scenario_and_seed_give_the_same_records_in_separate_processes(
 
 def test_sim_records_follow_the_one_record_schema(tmp_path):
     """``rundir.RequestRecord`` is the schema both builders are typed against: every key a sim record carries is
-    in it, and every required key is there (``tests/test_bench.py`` holds bench's records to the same)."""
+    in it, and every required key is there (``tests/integration/test_bench.py`` holds bench's records to the same)."""
     from kvcap.rundir import RECORD_FIELDS, REQUIRED_RECORD_FIELDS
 
     _, records = simulate(tmp_path, "schema", serving__kv_offload="remote", load__concurrency=[64])

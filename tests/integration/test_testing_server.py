@@ -1,5 +1,5 @@
 """The test server keeps its timing promises over real loopback HTTP, so other tests may trust it as truth: fixed and
-batching engines, connection handling and its CLI (its faults: tests/test_testing_faults.py).
+batching engines, connection handling and its CLI (its faults: tests/integration/test_testing_faults.py).
 
 Every test talks to a server subprocess (tests/servers.py) through aiohttp, and times events the way a load
 generator would: perf_counter per received network chunk (tests/streams.py).
