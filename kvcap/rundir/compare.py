@@ -43,8 +43,9 @@ class Difference(RunModel):
     key: str = Field(description="the dotted key")
     control: Any = Field(description="its value in the control run (None: not set)")
     treatment: Any = Field(description="its value in the treatment run")
-    tolerance: float | None = Field(None, description="measured figures: the relative gap within which they count "
-                                                      "as equal")
+    tolerance: float | None = Field(default=None,
+                                    description="measured figures: the relative gap within which they count "
+                                                "as equal")
 
 
 class FixedVariables(RunModel):
