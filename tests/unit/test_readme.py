@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvcap.cli import build_parser
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAX_LINES = 150
 FIRST_COMMANDS = [
