@@ -17,7 +17,7 @@ from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
 from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
-from kvcap.rundir.compare import ArmResult, Comparison, GoodputGain
+from kvcap.rundir.compare import ArmResult, ArmSummaries, Comparison, GoodputGain
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.store.column_reader import read_columns
 from kvcap.rundir.store.columns import Key
@@ -176,9 +176,9 @@ def _boot(samples: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
 
 
 def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None = None,
-            allow: set[str] | None = None, seed: int = 0) -> dict[str, Any]:
-    """``compare.json``'s content (checked against :class:`~kvcap.rundir.compare.Comparison`) and, under
-    ``summaries``, the two arms' :class:`~kvcap.rundir.summary.Summary` (for the reports)."""
+            allow: set[str] | None = None, seed: int = 0) -> Comparison:
+    """``compare.json``'s content (``to_json``) with, under ``summaries`` (not written), the two arms'
+    :class:`~kvcap.rundir.summary.Summary` (for the reports)."""
     rc, rt = RunDir(control_dir), RunDir(treatment_dir)
     mc, mt = rc.manifest, rt.manifest
     slo = slo if slo is not None else (rc.slo or rt.slo)
@@ -226,7 +226,8 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
         "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths, "slo": slo,
         "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
         "diagnosis": diagnose(sc.levels, "control") + diagnose(st.levels, "treatment")})
-    return {**comparison.to_json(), "summaries": {"control": sc, "treatment": st}}
+    comparison.summaries = ArmSummaries(control=sc, treatment=st)
+    return comparison
 
 
 def decide(c: ArmResult, t: ArmResult, lo: float, hi: float) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from kvcap.errors import InputError
 
 if TYPE_CHECKING:
+    from kvcap.rundir.compare import Comparison
     from kvcap.rundir.summary import Summary
 
 Subparsers = argparse._SubParsersAction
@@ -148,9 +149,9 @@ def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2))
 
 
-def comparison_json(result: dict[str, Any]) -> dict[str, Any]:
+def comparison_json(result: Comparison) -> dict[str, Any]:
     """A comparison as compare.json holds it: without the two full summaries it carries."""
-    return {k: v for k, v in result.items() if k != "summaries"}
+    return result.to_json()
 
 
 def optional_slo(spec: str | None) -> Any:

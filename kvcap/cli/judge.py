@@ -93,9 +93,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
     result = compare(a.control, a.treatment, slo=common.optional_slo(a.slo),
                      allow=common.allowed_differences(a.allow_diff))
-    if not result["fixed_variables"]["equal"]:
-        diffs = "; ".join(f"{d['key']}: {d['control']!r} vs {d['treatment']!r}"
-                          for d in result["fixed_variables"]["differences"])
+    if not result.fixed_variables.equal:
+        diffs = "; ".join(f"{d.key}: {d.control!r} vs {d.treatment!r}" for d in result.fixed_variables.differences)
         raise RefusedComparison(f"fixed variables differ — {diffs} (pass --allow-diff KEY to accept)")
     if a.json:
         common.print_json(common.comparison_json(result))

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from kvcap.plan import PlanResult
 from kvcap.report.format import MODE_PREFIX
+from kvcap.rundir.compare import Comparison
 from kvcap.units import format_bandwidth, format_size
 
 
@@ -161,30 +162,30 @@ def render_levels(summary: dict[str, Any], console: Console | None = None, title
         con.print("[yellow]interrupted: the summary covers the requests that finished[/yellow]")
 
 
-def render_compare(result: dict[str, Any], console: Console | None = None) -> None:
+def render_compare(result: Comparison, console: Console | None = None) -> None:
     """Verdict first, then the three numbers per arm, then the per-level differences."""
     con = console or make_console()
     colour = {"performance-scaling": "green", "capacity-only": "yellow", "no-gain": "white",
-              "regression": "red"}[result["verdict"]]
-    con.print(f"[bold {colour}]verdict: {result['verdict']}[/bold {colour}]")
+              "regression": "red"}[result.verdict]
+    con.print(f"[bold {colour}]verdict: {result.verdict}[/bold {colour}]")
     t = Table(title_justify="left")
     for col in ("", "control", "treatment"):
         t.add_column(col, justify="left" if not col else "right")
-    c, tr = result["control"], result["treatment"]
-    t.add_row("resident", f"{c['resident']} ({c['resident_source']})", f"{tr['resident']} ({tr['resident_source']})")
-    t.add_row("effective", str(c["effective"]), str(tr["effective"]))
-    t.add_row("stress limit", str(c["stress_limit"]), str(tr["stress_limit"]))
-    t.add_row("goodput tok/s (best level)", f"{c['goodput_tok_s']:.1f} @ {c['goodput_level']}",
-              f"{tr['goodput_tok_s']:.1f} @ {tr['goodput_level']}")
-    t.add_row("limited by", str(c["limited_by"]), str(tr["limited_by"]))
+    c, tr = result.control, result.treatment
+    t.add_row("resident", f"{c.resident} ({c.resident_source})", f"{tr.resident} ({tr.resident_source})")
+    t.add_row("effective", str(c.effective), str(tr.effective))
+    t.add_row("stress limit", str(c.stress_limit), str(tr.stress_limit))
+    t.add_row("goodput tok/s (best level)", f"{c.goodput_tok_s:.1f} @ {c.goodput_level}",
+              f"{tr.goodput_tok_s:.1f} @ {tr.goodput_level}")
+    t.add_row("limited by", str(c.limited_by), str(tr.limited_by))
     con.print(t)
-    g = result["goodput_gain"]
-    con.print(f"goodput Δ {g['delta_tok_s']:+.1f} tok/s, 95% CI [{g['ci95'][0]:+.1f}, {g['ci95'][1]:+.1f}] — "
-              + ("beyond noise" if g["beyond_noise"] else "inside the noise"))
-    if result.get("efficiency") is not None:
-        con.print(f"efficiency (Δ goodput % / Δ effective %): {result['efficiency']:.2f}")
+    g = result.goodput_gain
+    con.print(f"goodput Δ {g.delta_tok_s:+.1f} tok/s, 95% CI [{g.ci95[0]:+.1f}, {g.ci95[1]:+.1f}] — "
+              + ("beyond noise" if g.beyond_noise else "inside the noise"))
+    if result.efficiency is not None:
+        con.print(f"efficiency (Δ goodput % / Δ effective %): {result.efficiency:.2f}")
     lv = Table(title="Per level (control → treatment)", title_justify="left")
-    parked = any(any(v for v in row.get("server_parked_max") or []) for row in result["per_level"])
+    parked = any(any(v for v in row.server_parked_max) for row in result.per_level)
     for col in ("level", "out tok/s", "goodput tok/s", "Δ goodput CI95", "TTFT p95 ms", "TPOT p95 ms", "SLO",
                 "server running max") + (("parked max",) if parked else ()):
         lv.add_column(col, justify="right" if col != "level" else "left")
@@ -192,16 +193,16 @@ def render_compare(result: dict[str, Any], console: Console | None = None) -> No
     def pair(x: list[Any], fmt: str = "{:.0f}") -> str:
         return " → ".join("–" if v is None else fmt.format(v) for v in x)
 
-    for row in result["per_level"]:
-        lv.add_row(str(row["level"]), pair(row["output_tok_s"], "{:.1f}"), pair(row["goodput_tok_s"], "{:.1f}"),
-                   f"[{row['goodput_delta_ci95'][0]:+.1f}, {row['goodput_delta_ci95'][1]:+.1f}]",
-                   pair(row["ttft_p95_ms"]), pair(row["tpot_p95_ms"], "{:.1f}"),
-                   " → ".join("pass" if x else "fail" for x in row["slo_ok"]), pair(row["server_running_max"]),
-                   *((pair([v or 0 for v in row.get("server_parked_max") or [None, None]]),) if parked else ()))
+    for row in result.per_level:
+        lv.add_row(str(row.level), pair(row.output_tok_s, "{:.1f}"), pair(row.goodput_tok_s, "{:.1f}"),
+                   f"[{row.goodput_delta_ci95[0]:+.1f}, {row.goodput_delta_ci95[1]:+.1f}]",
+                   pair(row.ttft_p95_ms), pair(row.tpot_p95_ms, "{:.1f}"),
+                   " → ".join("pass" if x else "fail" for x in row.slo_ok), pair(row.server_running_max),
+                   *((pair([v or 0 for v in row.server_parked_max]),) if parked else ()))
     con.print(lv)
-    for d in result.get("diagnosis", []):
-        con.print(f"[bold]{d['arm']}[/bold]: bounded by [bold]{d['bound']}[/bold] — {d['evidence']}. → {d['direction']}")
-    for d in result["fixed_variables"]["allowed_differences"]:
-        con.print(f"differs (allowed): {d['key']}: {d['control']!r} → {d['treatment']!r}")
-    for w in result["warnings"]:
+    for d in result.diagnosis:
+        con.print(f"[bold]{d.arm}[/bold]: bounded by [bold]{d.bound}[/bold] — {d.evidence}. → {d.direction}")
+    for diff in result.fixed_variables.allowed_differences:
+        con.print(f"differs (allowed): {diff.key}: {diff.control!r} → {diff.treatment!r}")
+    for w in result.warnings:
         con.print(f"[yellow]! {w}[/yellow]")

@@ -109,6 +109,8 @@ def model_section(model: type[BaseModel], seen: set[type[BaseModel]], level: int
     out = [f"{'#' * level} {model.__name__}", "", doc, "", "| key | type | description |", "|---|---|---|"]
     inner: list[type[BaseModel]] = []
     for name, field in model.model_fields.items():
+        if field.exclude:  # held in memory, never written
+            continue
         required = "" if field.is_required() else " (optional)"
         out.append(f"| `{name}` | {_cell(type_name(field.annotation))}{required} | {_cell(field.description or '')} |")
         inner += [m for m in nested_models(field.annotation) if m not in seen and m not in inner]

@@ -101,37 +101,45 @@ class Imbalance(RunModel):
 
 class LevelSummary(RunModel):
     """One (mode, level) over its repeats: counts, throughput, goodput, latency percentiles, the conditions it
-    fails, and the server's telemetry over its measured windows (those keys absent without telemetry)."""
+    fails, and the server's telemetry over its measured windows (those keys absent without telemetry).
+
+    ``summary.json`` always has the keys down to ``failed_checks``; those marked optional are absent only from a
+    level rebuilt from ``compare.json``'s ``per_level`` (the report of a saved comparison)."""
 
     mode: str = Field(description="load model: 'concurrency', 'rate' or 'trace'")
     level: Number = Field(description="the load: concurrency (requests), rate (requests/s) or trace speed (×)")
-    requests: int = Field(description="measured requests judged (started in the window, not cancelled)")
-    ok: int = Field(description="judged requests that succeeded")
-    errors: int = Field(description="judged requests that failed")
-    cancelled: int = Field(description="measured requests cancelled at the level's end")
-    error_classes: dict[str, int] = Field(description="failed requests per error class, in order of first seen")
+    requests: int | None = Field(None, description="measured requests judged (started in the window, not cancelled)")
+    ok: int | None = Field(None, description="judged requests that succeeded")
+    errors: int | None = Field(None, description="judged requests that failed")
+    cancelled: int | None = Field(None, description="measured requests cancelled at the level's end")
+    error_classes: dict[str, int] = Field(default_factory=dict, description="failed requests per error class, in "
+                                                                           "order of first seen")
     output_tok_s: float = Field(description="output tokens/s received inside the window (median over repeats)")
-    request_s: float = Field(description="requests/s completed inside the window (median over repeats)")
-    output_tok_s_repeats: list[float] = Field(description="output_tok_s of each repeat")
+    request_s: float | None = Field(None, description="requests/s completed inside the window (median over repeats)")
+    output_tok_s_repeats: list[float] = Field(default_factory=list, description="output_tok_s of each repeat")
     goodput_tok_s: float = Field(description="output tokens/s of the requests within every SLO limit "
                                              "(median over repeats)")
-    goodput_tok_s_repeats: list[float] = Field(description="goodput_tok_s of each repeat")
-    in_flight_mean: float | None = Field(description="time-averaged requests in flight (median over repeats)")
-    error_rate: float = Field(description="errors / requests (fraction)")
-    truncated: int = Field(description="successful requests cut short of the output asked")
-    output_tokens_mean: float | None = Field(description="mean output tokens of the successful requests")
-    input_tokens_mean: float | None = Field(description="mean input tokens of the successful requests, as the "
-                                                        "server counted them")
-    ttft_ms: Percentiles = Field(description="time to first token (ms)")
-    tpot_ms: Percentiles = Field(description="time per output token after the first (ms)")
-    e2e_ms: Percentiles = Field(description="end-to-end latency (ms)")
-    itl_ms: Percentiles = Field(description="inter-token latency, every gap (ms)")
-    queue_ms: Percentiles = Field(description="time queued at the server before the first token's work (ms)")
-    send_delay_ms: Percentiles = Field(description="how late the client sent each request (ms), every measured one")
-    ci95: Intervals = Field(description="95% confidence intervals")
+    goodput_tok_s_repeats: list[float] = Field(default_factory=list, description="goodput_tok_s of each repeat")
+    in_flight_mean: float | None = Field(None, description="time-averaged requests in flight (median over repeats)")
+    error_rate: float | None = Field(None, description="errors / requests (fraction)")
+    truncated: int | None = Field(None, description="successful requests cut short of the output asked")
+    output_tokens_mean: float | None = Field(None, description="mean output tokens of the successful requests")
+    input_tokens_mean: float | None = Field(None, description="mean input tokens of the successful requests, as "
+                                                              "the server counted them")
+    ttft_ms: Percentiles = Field(default_factory=Percentiles, description="time to first token (ms)")
+    tpot_ms: Percentiles = Field(default_factory=Percentiles, description="time per output token after the first "
+                                                                          "(ms)")
+    e2e_ms: Percentiles = Field(default_factory=Percentiles, description="end-to-end latency (ms)")
+    itl_ms: Percentiles = Field(default_factory=Percentiles, description="inter-token latency, every gap (ms)")
+    queue_ms: Percentiles = Field(default_factory=Percentiles, description="time queued at the server before the "
+                                                                           "first token's work (ms)")
+    send_delay_ms: Percentiles = Field(default_factory=Percentiles, description="how late the client sent each "
+                                                                                "request (ms), every measured one")
+    ci95: Intervals = Field(default_factory=Intervals, description="95% confidence intervals")
     slo_ok: bool = Field(description="no SLO item and no condition failed, and some request succeeded")
-    failed_checks: list[str] = Field(description="SLO items and conditions (throughput_growth, error_rate, "
-                                                 "timeouts, queue_growth, preemptions) this level fails")
+    failed_checks: list[str] = Field(default_factory=list, description="SLO items and conditions "
+                                                                      "(throughput_growth, error_rate, timeouts, "
+                                                                      "queue_growth, preemptions) this level fails")
     achieved_rate: float | None = Field(None, description="requests/s actually sent (open loop; median over "
                                                           "repeats)")
     client_warnings: list[str] = Field(default_factory=list, description="the load generator's warnings")
