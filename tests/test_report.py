@@ -22,11 +22,11 @@ import pytest
 
 from kvcap.analysis.summary import build_summary
 from kvcap.analysis.verdict import compare
+from kvcap.errors import InputError
 from kvcap.report.data import level_windows, levels_from_per_level
 from kvcap.report.format import esc, fmt, fmtm, level_name, pair, signed, value_text
 from kvcap.report.html import render_html, render_html_single, write_html
 from kvcap.report.markdown import render_markdown, render_markdown_single
-from kvcap.errors import InputError
 from kvcap.rundir import MANIFEST, RunDir, RunWriter, read_comparison, write_json_atomic
 from kvcap.rundir.compare import Comparison
 from kvcap.rundir.levels import LevelRow

@@ -87,8 +87,8 @@ async def run_experiment(exp: Experiment, out: Path, progress: Progress | None =
             else:
                 summary = await run_bench(cfg, progress, stop)
             order.append(ScheduledRepeat(arm=arm.name, repeat=repeat, started_at=t0, ended_at=time.time()))
-            if summary.get("failed"):  # a broken arm makes no comparison: stop here, its records kept
-                raise EndpointError(f"arm {arm.name}, repeat {repeat}: {summary['failed']}")
+            if summary.failed:  # a broken arm makes no comparison: stop here, its records kept
+                raise EndpointError(f"arm {arm.name}, repeat {repeat}: {summary.failed}")
     for arm in exp.arms:
         mpath = out / arm.name / MANIFEST
         if mpath.exists():

@@ -230,12 +230,12 @@ def print_build_note(prog: str) -> None:
         print(f"kvcap {prog}: note: {note}", file=sys.stderr)
 
 
-def exit_status(summary: dict[str, Any]) -> int:
+def exit_status(summary: Summary) -> int:
     """130 (as after Ctrl-C) when the run was interrupted; 1 when it failed as a whole (``summary["failed"]``:
     stopped by the error rule, or no request succeeded — the records are kept, the sweep is not a result); else 0."""
-    if summary.get("interrupted"):
+    if summary.interrupted:
         return 130
-    return 1 if summary.get("failed") else 0
+    return 1 if summary.failed else 0
 
 
 def on_stop_signals(callback: Callable[[], None]) -> None:

@@ -10,6 +10,7 @@ from rich.table import Table
 from kvcap.plan import PlanResult
 from kvcap.report.format import MODE_PREFIX
 from kvcap.rundir.compare import Comparison
+from kvcap.rundir.summary import Percentiles, Summary
 from kvcap.units import format_bandwidth, format_size
 
 
@@ -114,12 +115,12 @@ def _render_fit_options(r: PlanResult, con: Console) -> None:
     con.print(t)
 
 
-def _ms(d: dict[str, Any] | None, q: str) -> str:
-    v = (d or {}).get(q)
+def _ms(d: Percentiles, q: str) -> str:
+    v = getattr(d, q)
     return "–" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def render_levels(summary: dict[str, Any], console: Console | None = None, title: str = "Per-level results") -> None:
+def render_levels(summary: Summary, console: Console | None = None, title: str = "Per-level results") -> None:
     """One row per level: counts, throughput, TTFT/TPOT/ITL/E2E p50/p95/p99, queue, SLO verdict.
 
     On a narrow terminal (< 140 columns) only p50/p95 of TTFT, TPOT and E2E are shown (summary.json has them all).
@@ -134,31 +135,31 @@ def render_levels(summary: dict[str, Any], console: Console | None = None, title
     cols += ["queue p95", "SLO"] if wide else ["SLO"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("level", "SLO") else "right")
-    for lv in summary.get("levels", []):
-        mode = MODE_PREFIX.get(lv["mode"], lv["mode"])
-        level = f"{mode}={lv['level']:g}"
-        if lv.get("achieved_rate") is not None:
-            level += f" (got {lv['achieved_rate']:.2f}/s)"
-        trio = ["/".join(_ms(lv.get(f"{m}_ms"), q) for q in qs) for m in metrics]
-        slo = "–" if not summary.get("slo") else ("pass" if lv["slo_ok"] else "FAIL " + ",".join(lv["failed_checks"]))
-        row = [level, str(lv["requests"]), str(lv["ok"]), str(lv["errors"]), f"{lv['output_tok_s']:.1f}", *trio]
-        row += [_ms(lv.get("queue_ms"), "p95"), slo] if wide else [slo]
+    for lv in summary.levels:
+        mode = MODE_PREFIX.get(lv.mode, lv.mode)
+        level = f"{mode}={lv.level:g}"
+        if lv.achieved_rate is not None:
+            level += f" (got {lv.achieved_rate:.2f}/s)"
+        trio = ["/".join(_ms(getattr(lv, f"{m}_ms"), q) for q in qs) for m in metrics]
+        slo = "–" if not summary.slo else ("pass" if lv.slo_ok else "FAIL " + ",".join(lv.failed_checks))
+        row = [level, str(lv.requests), str(lv.ok), str(lv.errors), f"{lv.output_tok_s:.1f}", *trio]
+        row += [_ms(lv.queue_ms, "p95"), slo] if wide else [slo]
         t.add_row(*row)
     con.print(t)
-    errs = {k: v for lv in summary.get("levels", []) for k, v in lv.get("error_classes", {}).items()}
+    errs = {k: v for lv in summary.levels for k, v in lv.error_classes.items()}
     if errs:
         con.print("errors by class: " + ", ".join(f"{k} {v}" for k, v in sorted(errs.items())))
-    cap = summary.get("capacity") or {}
-    if summary.get("slo"):
-        con.print(f"effective capacity {cap.get('effective')} · stress limit {cap.get('stress_limit')} · resident "
-                  f"{cap.get('resident')}{'+ (lower bound)' if cap.get('resident_lower_bound') else ''} "
-                  f"({cap.get('resident_source') or 'no telemetry'})"
-                  + (f" · limited by {cap['limited_by']}" if cap.get("limited_by") else ""))
-    for d in summary.get("diagnosis", []):
-        con.print(f"bounded by [bold]{d['bound']}[/bold] — {d['evidence']}. → {d['direction']}")
-    for w in (summary.get("client") or {}).get("warnings", []):
+    cap = summary.capacity
+    if summary.slo:
+        con.print(f"effective capacity {cap.effective} · stress limit {cap.stress_limit} · resident "
+                  f"{cap.resident}{'+ (lower bound)' if cap.resident_lower_bound else ''} "
+                  f"({cap.resident_source or 'no telemetry'})"
+                  + (f" · limited by {cap.limited_by}" if cap.limited_by else ""))
+    for d in summary.diagnosis:
+        con.print(f"bounded by [bold]{d.bound}[/bold] — {d.evidence}. → {d.direction}")
+    for w in (summary.client or {}).get("warnings", []):
         con.print(f"[yellow]! {w}[/yellow]")
-    if summary.get("interrupted"):
+    if summary.interrupted:
         con.print("[yellow]interrupted: the summary covers the requests that finished[/yellow]")
 
 
