@@ -38,7 +38,8 @@ t = time.perf_counter()
 s = build_summary(RunDir(sys.argv[1]))
 wall = time.perf_counter() - t
 hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
-print(json.dumps({"wall": wall, "rss_mb": hwm / 1024, "digest": hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest(),
+print(json.dumps({"wall": wall, "rss_mb": hwm / 1024, \
+"digest": hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest(),
                   "levels": len(s["levels"]), "effective": s["capacity"]["effective"]}))
 """
 

@@ -7,9 +7,9 @@ first ``data:`` line that is not ``[DONE]`` ends TTFT, the last content line bef
 No JSON is parsed (the fake server sends one token per event, so a ``data:`` line is a token); chunked transfer
 framing lines are skipped. Latency counts from just before the request is written, like kvcap's closed loop.
 
-It prints (or writes to ``--out``) one JSON object: ``measure_start_s``/``measure_end_s`` (on ``time.time()``), ``ttft_ms`` and
-``tpot_ms`` of the requests *started* inside the window, the token times inside the window, ``cpu_s`` over the
-window (``time.process_time``), ``errors``.
+It prints (or writes to ``--out``) one JSON object: ``measure_start_s``/``measure_end_s`` (on ``time.time()``),
+``ttft_ms`` and ``tpot_ms`` of the requests *started* inside the window, the token times inside the window,
+``cpu_s`` over the window (``time.process_time``), ``errors``.
 
     python benchmarks/bare_client.py --url http://127.0.0.1:PORT --streams 32 --warmup 2 --duration 10
 """

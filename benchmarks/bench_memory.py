@@ -82,7 +82,8 @@ def main() -> None:
             srv.stop()
     how = f"closed loop c={a.concurrency}" if a.rate is None else f"open loop {a.rate:g} req/s"
     print(f"kvcap bench, {how}, 16/16 tokens, fake server at full speed")
-    print(f"{'records':>9} {'wall s':>8} {'req/s':>8} {'peak RSS MB':>12} {'MB at summary':>14} {'requests.jsonl MB':>18}")
+    print(f"{'records':>9} {'wall s':>8} {'req/s':>8} {'peak RSS MB':>12} {'MB at summary':>14} "
+          f"{'requests.jsonl MB':>18}")
     for r in rows:
         print(f"{r['requests']:>9.0f} {r['wall_s']:>8.1f} {r['req_s']:>8.0f} {r['rss_mb']:>12.0f} "
               f"{r['at_summary_mb']:>14.0f} {r['req_mb']:>18.1f}")

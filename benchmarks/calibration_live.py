@@ -11,7 +11,7 @@ the what-if, and benches the server the what-if describes — the fit never sees
 - the same llama.cpp with a queue at the door: fit on 8 slots at c = 1, 2, 4, 8, 64 (56 requests waiting for a
   slot: ``step_cost.per_waiting``); predict c = 128 (120 waiting) on that server.
 
-    .venv/bin/python benchmarks/calibration_live.py [--json]     # ~3 min on 2 cores
+    .venv/bin/python benchmarks/calibration_live.py [--json]
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.calibration import fmt, header, row_text  # noqa: E402
+from tests.integration.test_calibrate_llamacpp import CTX_PER_SLOT, LENGTHS, NO_CACHE, SHAPE  # noqa: E402
+from tests.integration.test_serve_sim import running_serve_sim  # noqa: E402
 from tests.llamacpp import llama_server, llama_server_binary  # noqa: E402
 from tests.servers import start_fake_server  # noqa: E402
-from tests.test_calibrate_llamacpp import CTX_PER_SLOT, LENGTHS, NO_CACHE, SHAPE  # noqa: E402
-from tests.test_serve_sim import running_serve_sim  # noqa: E402
 from tests.tiny_gguf import write_tiny_llama_gguf  # noqa: E402
 
 METRICS = {"tpot": ("tpot_ms", "p50", "tpot_ms"), "e2e": ("e2e_ms", "p50", "e2e_ms"),
@@ -79,7 +79,8 @@ def case(name: str, fit_on: str, profile: Callable[[Path], list[Path]], measure:
         meas = {row: value(m, k) for k, (_, _, row) in METRICS.items()}
         simd = {row: value(s, k) for k, (_, _, row) in METRICS.items()}
         out.append({"set": name, "level": c, "fit_on": fit_on, "measured": meas, "simulated": simd,
-                    "error_pct": {k: round((simd[row] / meas[row] - 1) * 100, 2) for k, (_, _, row) in METRICS.items()}})
+                    "error_pct": {k: round((simd[row] / meas[row] - 1) * 100, 2)
+                                  for k, (_, _, row) in METRICS.items()}})
     return out
 
 

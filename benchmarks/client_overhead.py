@@ -28,8 +28,8 @@ Because the server's timing is known exactly, the client's view of it can be sco
   their difference, both TPOT p50 and CPU s per 1k tokens, and the CPU ratio. With ``--rounds N`` each level
   alternates the tools N times; the table takes the median over rounds.
 * **other load** — every other process's CPU on the machine over the window (/proc/stat user+system minus client
-  and server). On a shared 2-core machine anything above ~0.2 cores skews the latency columns (not much the CPU
-  columns); ``--wait-quiet`` (default 300 s) waits before each run for the machine to calm down.
+  and server). On a shared machine other load skews the latency columns (not much the CPU columns);
+  ``--wait-quiet`` (default 300 s) waits before each run until it is under ``--quiet-cores``.
 
     .venv/bin/python benchmarks/client_overhead.py                      # kvcap, bare, guidellm: 32,256,1024
     .venv/bin/python benchmarks/client_overhead.py --quick              # shorter, 32 and 256 only
@@ -321,7 +321,7 @@ def finish_window(res: Result, sampler: Sampler, a: float, b: float, token_times
     res.cpu_window_s = c
     res.client_cores = c / res.window_s
     res.server_cores = s / res.window_s
-    # everything else the machine did meanwhile (other users' work, and this script's sampler: ~0.01 core)
+    # everything else the machine did meanwhile (other users' work, and this script's own light sampler)
     res.other_cores = max(0.0, sampler.at(b, 3) - sampler.at(a, 3) - c - s) / res.window_s
     res.softirq_cores = (sampler.at(b, 4) - sampler.at(a, 4)) / res.window_s
     res.cpu_per_1k_steady = c / (res.tokens_window / 1e3) if res.tokens_window else math.nan
@@ -545,7 +545,8 @@ def fmt(x: float, nd: int = 1) -> str:
 
 def table(results: list[Result]) -> str:
     head = ["tool", "streams", "tok/s", "ceiling", "CPU s/1k tok", "CPU s/1k (run)", "fixed CPU s", "client cores",
-            "server cores", "softirq", "other load", "TTFT err p50", "ITL err p50/p99", "mean-ITL err p50/p99", "ok/failed"]
+            "server cores", "softirq", "other load", "TTFT err p50", "ITL err p50/p99", "mean-ITL err p50/p99",
+            "ok/failed"]
     rows = []
     for r in results:
         if not r.ok:
@@ -637,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidellm-venv", default=os.environ.get("GUIDELLM_VENV", str(HERE / ".venv-guidellm")))
     p.add_argument("--guidellm-workers", type=int, default=None,
                    help="GUIDELLM__MAX_WORKER_PROCESSES (default: guidellm's own, 10)")
-    p.add_argument("--setup-guidellm", action="store_true", help=f"create --guidellm-venv with guidellm=={GUIDELLM_VERSION}")
+    p.add_argument("--setup-guidellm", action="store_true",
+                   help=f"create --guidellm-venv with guidellm=={GUIDELLM_VERSION}")
     p.add_argument("--kvcap-python", default=sys.executable, help="python that has kvcap installed")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<timestamp>)")
     p.add_argument("--profile", type=int, default=None, metavar="STREAMS",
@@ -688,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
             for tool, rnd in ((t, k) for k in range(args.rounds) for t in tools):
                 best: Result | None = None
                 for attempt in range(args.retries + 1):
-                    run_dir = out / (f"{tool}-{c}" + (f"-round{rnd}" if rnd else "") + (f"-retry{attempt}" if attempt else ""))
+                    run_dir = out / (f"{tool}-{c}" + (f"-round{rnd}" if rnd else "")
+                                     + (f"-retry{attempt}" if attempt else ""))
                     res = one_run(args, tool, c, run_dir)
                     status = "ok" if res.ok else f"FAILED: {res.problem}"
                     print(f"  {tool:8s} {c:5d} streams: {fmt(res.tok_s, 0)} tok/s, TTFT p50 {fmt(res.ttft_p50, 2)} ms, "

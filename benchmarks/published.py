@@ -34,24 +34,23 @@ from kvcap.workload.trace import TraceRow
 MODES = ("rate", "burst")
 MAX_EVALS = 300
 """Simulator runs the refinement may spend: a Poisson set of 200 requests with ShareGPT-like lengths gives a
-flatter, rougher objective than a closed loop; the RTX 4090 set settles after ~130 (the default, 120, is short)."""
+flatter, rougher objective than a closed loop, which needs more runs to settle than the fit's default."""
 CACHED = "cached"
 """The fit's mode for a point whose measured TTFT is below :func:`ttft_floor_s`: part of its prompts were served
-from vLLM's prefix cache (on by default in V1; ``benchmark_serving.py`` also sends ``input_requests[0]`` once
-as a test prompt before the run, so a burst of one is a cache hit — on the A100 set 36 ms for 1,024 tokens, below
-the 43 ms floor). Its TPOT and throughput still count; its TTFT prices no prefill. In a mode of its own it is not
-its group's lowest-load TTFT, so the refinement takes TTFT from the lowest uncached level."""
+from vLLM's prefix cache (on by default in V1; ``benchmark_serving.py`` also sends ``input_requests[0]`` once as a
+test prompt before the run, so a burst of one is a cache hit: see benchmarks/README.md, ``calibration.py``). Its
+TPOT and throughput still count; its TTFT prices no prefill. In a mode of its own it is not its group's lowest-load
+TTFT, so the refinement takes TTFT from the lowest uncached level."""
 
 
 ITL_PERCENTILES = (50, 90, 99)
 ITL_KEYS = tuple(f"itl_p{q}_ms" for q in ITL_PERCENTILES)
 """Inter-token gap percentiles a published point may carry (``benchmark_serving.py`` reports them): the median is
 mostly pure decode steps, the upper ones the steps that carried prompts. The fit takes the median of its fitted
-points (:func:`observations`); the upper ones only show where a prediction's step is off. Fitted too, they made
-prompts nearly free on the four sets whose fitted levels found their prompts cached (TPOT within 12% at 8–16
-req/s on the H100 sets, but TTFT −31…−61% at the one cold rate, 32 req/s) and pushed the RTX 4090 Llama sets'
-per-sequence cost to 0.18–0.29 ms (TPOT +30…+59% at 16–32 req/s): a linear step cannot hold both a prompt that
-rides free and one that does not."""
+points (:func:`observations`); the upper ones only show where a prediction's step is off. Fitted too, they
+made prompts nearly free on the sets whose fitted levels found their prompts cached and pushed the RTX 4090 Llama
+sets' per-sequence cost up (see benchmarks/README.md, ``calibration.py``): a linear step cannot hold both a prompt
+that rides free and one that does not."""
 
 
 @dataclass(frozen=True)
@@ -155,8 +154,7 @@ def observations(s: PublishedSet) -> list[Observation]:
     stands for the pure decode step (``Observation.pure_step``, as a bench run's records give it): at the low
     loads a fit sees, the 90th percentile is within a few % of the median, so nine gaps in ten carried no prompt
     and the median is a decode step as the server ran it. TPOT's mean also spreads over its tokens the steps that
-    carried prompts, which a line through TPOT alone reads as cost per sequence (the H100 Llama set's refined
-    fits: 0.070 ms a sequence through TPOT alone, 0.052 with the medians)."""
+    carried prompts, which a line through TPOT alone reads as cost per sequence."""
     n_in, n_out = s.lengths
     out = []
     for p in s.points:
@@ -174,8 +172,9 @@ def scenario_for(s: PublishedSet, cost: StepCost, slots: int, kv_tokens: int | N
 
 
 REPLAYS = 4
-"""Replays of a rate run (each its own arrival draws and order of lengths) whose means stand for it: one order of
-200 requests moves a fitted per-sequence cost by up to 2× (which long request overlaps which, at 1–4 in flight)."""
+"""Replays of a rate run (each its own arrival draws and order of lengths) whose means stand for it: at the few
+requests in flight of a low rate, one order of the requests (which long request overlaps which) moves a fitted
+per-sequence cost a lot."""
 
 
 def plan_for(s: PublishedSet, level: float, order: int = 0) -> tuple[LoadPlan, float]:
@@ -190,8 +189,8 @@ def plan_for(s: PublishedSet, level: float, order: int = 0) -> tuple[LoadPlan, f
 
 
 SESSION_GAP_S = 120.0
-"""Seconds from one replayed run's last arrival to the next run's first: every run has drained by then (the
-sources' next runs started 13–29 s after the last ended; an idle server changes nothing in between)."""
+"""Seconds from one replayed run's last arrival to the next run's first: every run has drained by then, and an idle
+server changes nothing in between (the sources' own gaps: benchmarks/README.md, ``calibration.py``)."""
 HASH_STRIDE = 1 << 16
 """Hash ids of request j's prompt blocks: j × this + block (over the 64 blocks of a 1,024-token prompt)."""
 
@@ -215,16 +214,14 @@ def session_replay(s: PublishedSet, level: float, order: int = 0) -> tuple[tuple
 
 def rate_replay(s: PublishedSet, level: float, order: int = 0) -> tuple[TraceRow, ...]:
     """A rate run as ``benchmark_serving.py`` makes it, replayed: the same requests at every rate (it samples its
-    prompts once, with a fixed seed) and Poisson gaps that are the same draws scaled by 1 / rate — it seeds
-    numpy's global generator with ``--seed`` and draws ``np.random.gamma(1, 1 / rate)`` after each request it
-    sends. Where the source states that seed (``s.seed``) the gaps are its draws (the client's sleeps add their own
-    milliseconds): seed 42 puts the 200th of
-    the RTX 4090 / H100 runs' requests at 187.6 s at 1 req/s, and their 1 req/s runs end 2.5–4.5 s (one request's
-    time) after it, at 190.1–192.1 s. Otherwise they are scaled so the arrivals span their expected
-    (n − 1) / rate: 199 Poisson gaps put the span anywhere within ±7% (at 1 req/s the throughput is that span),
-    which moved the fit more than any coefficient. Lengths, which the sources do not list, are at the quantiles
-    of the set's distributions in an order drawn from ``order`` (which of the :data:`REPLAYS`): 200 lognormal draws
-    with cv 1 put the mean output anywhere within ±8%."""
+    prompts once, with a fixed seed) and Poisson gaps that are the same draws scaled by 1 / rate — it seeds numpy's
+    global generator with ``--seed`` and draws ``np.random.gamma(1, 1 / rate)`` after each request it sends. Where
+    the source states that seed (``s.seed``) the gaps are its draws (the client's sleeps add their own
+    milliseconds), and the sources' run times agree with them (benchmarks/README.md, ``calibration.py``). Otherwise
+    they are scaled so the arrivals span their expected (n − 1) / rate: 199 Poisson gaps put the span anywhere
+    within ±7% (at 1 req/s the throughput is that span). Lengths, which the sources do not list, are at the
+    quantiles of the set's distributions in an order drawn from ``order`` (which of the :data:`REPLAYS`): 200
+    lognormal draws with cv 1 put the mean output anywhere within ±8%."""
     n = s.requests or 0
     w = s.scenario["workload"]
     rng = np.random.default_rng(order)

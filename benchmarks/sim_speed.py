@@ -111,7 +111,8 @@ def timed_analyze(out: Path) -> tuple[float, float, bytes]:
     """``kvcap analyze OUT --json`` in a fresh process: wall s, peak RSS MiB (its own, from wait4), its output."""
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "kvcap", "analyze", str(out), "--json"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=os.environ | {"PYTHONPATH": str(ROOT)})
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert proc.stdout is not None
     text = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -194,7 +195,8 @@ def cli_table(sizes: list[int], itl_cases: tuple[bool, ...] = (True, False), sto
                 print(f"{r['case']:36} {r['requests']:>9,} {r['analyze_s']:>9.2f} {r['analyze_mb']:>6.0f} "
                       f"{r['analyze_jsonl_s']:>8.2f} {r['analyze_jsonl_mb']:>6.0f} {r['analyze_same']!s:>5}")
         print("copies: sim's binary column copies read; JSONL: the copies moved away, requests.jsonl and\n"
-              "telemetry.jsonl parsed (and the copies written again, as analyze does where they are missing). goal (issue 14): 1,000,000 records analysed in ≤ 5 s, ≤ 1.5 GB\n")
+              "telemetry.jsonl parsed (and the copies written again, as analyze does where they are missing). "
+              "goal (issue 14): 1,000,000 records analysed in ≤ 5 s, ≤ 1.5 GB\n")
 
 
 def main() -> None:

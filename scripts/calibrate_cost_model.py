@@ -284,7 +284,8 @@ def fit(data: Path) -> tuple[dict, dict]:
     fit_info = {
         "data": "microsoft/vidur 7d47513: data/profiling/compute/a100/meta-llama/{Meta-Llama-3-8B,Llama-2-7b-hf}/"
                 "mlp.csv, data/profiling/network/a100_pairwise_nvlink/all_reduce.csv (MIT)",
-        "nominal": {"gpu": GPU, "peak_flops": peak, "memory_bandwidth_bytes_s": bw, "nvlink_bytes_s_per_direction": nv_dir},
+        "nominal": {"gpu": GPU, "peak_flops": peak, "memory_bandwidth_bytes_s": bw,
+                    "nvlink_bytes_s_per_direction": nv_dir},
         "gemm_tile_search": {f"tile{t}": {"loss": sig(tile_loss[t], 4),
                                           "e_c": sig(tile_fit[t][0], 3), "e_m": sig(tile_fit[t][1], 3),
                                           "c0_s": sig(tile_fit[t][2], 3)} for t in TILES},
@@ -334,7 +335,8 @@ def render(fields: dict, fit_info: dict) -> str:
 
 
 def markdown(fit_info: dict) -> str:
-    lines = ["| model | TP | rows | GEMM median | GEMM max | elementwise median | elementwise max | layer median | layer max |",
+    lines = ["| model | TP | rows | GEMM median | GEMM max | elementwise median | elementwise max | layer median "
+             "| layer max |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, per_tp in fit_info["errors"].items():
         for tp, v in per_tp.items():

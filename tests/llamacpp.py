@@ -5,7 +5,7 @@ The binary is built once by ``scripts/install-llama-server`` and cached at
 (``KVCAP_LLAMA_SERVER=/path/to/llama-server`` overrides the lookup).
 
 Facts about this llama.cpp server that load tests rely on (observed with the
-pinned build, see ``tests/test_llamacpp_server.py``):
+pinned build, see ``tests/integration/test_llamacpp_server.py``):
 
 * Generation runs to exactly ``max_tokens`` only with ``"ignore_eos": true`` in
   the request body (a llama.cpp extension accepted by ``/v1/completions`` and

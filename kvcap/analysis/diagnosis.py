@@ -133,7 +133,8 @@ def _link(levels: list[LevelSummary], arm: str) -> list[Finding]:
 
 
 def _imbalance(levels: list[LevelSummary], arm: str) -> list[Finding]:
-    """Load that could be spread is not (kvcap.analysis.telemetry_nodes.imbalance): the hottest node bounds the cluster."""
+    """Load that could be spread is not (kvcap.analysis.telemetry_nodes.imbalance): the hottest node bounds the
+    cluster."""
     for lv in levels:
         hot = lv.imbalance
         if hot:

@@ -50,12 +50,12 @@ class Telemetry:
     """A run's telemetry as series — one per (source, name, labels) — each its sample times and values as numpy
     arrays, rows written on change (``hold_s``) put back on their grid without a dict per grid point.
 
-    Why: a long simulated run has a million grid rows; as dicts, expanded, scanned per name and again per node
-    and level window, they cost more than the rest of the analysis. Rows are kept as written and put on the grid
-    only when a series is aggregated; aggregates asked for by name (:meth:`arrays`) are cached, so a summary's
-    per-level figures are window slices of series built once. Aggregation is
-    the old row-by-row one, value for value: per sample time, values are added in series order (the order rows
-    were first seen), so sums, means and maxima are the same floats."""
+    Why: a long simulated run has a grid row per series per second; as dicts, expanded, scanned per name and
+    again per node and level window, they would dominate the analysis (see benchmarks/README.md,
+    ``sim_speed.py``). Rows are kept as written and put on the grid only when a series is aggregated; aggregates
+    asked for by name (:meth:`arrays`) are cached, so a summary's per-level figures are window slices of series
+    built once. Aggregation gives what adding the rows one by one gives, value for value: per sample time, values
+    are added in series order (the order rows were first seen), so sums, means and maxima are the same floats."""
 
     def __init__(self, rows: Iterable[dict[str, Any]], dedupe: bool = False):
         ids: dict[Key, int] = {}
@@ -416,7 +416,7 @@ def series(rows: Telemetry | list[dict[str, Any]], name: str, agg: str | None = 
 @dataclass(frozen=True, slots=True)
 class Series:
     """An aggregated series as arrays (times ascending, one value each): what the summary slices per level window.
-    Why not :data:`Points`: a long run has ~10⁵ sample times per series, as tuples ~20 MB each."""
+    Why not :data:`Points`: a tuple per sample time costs far more memory than two arrays on a long run."""
 
     t: np.ndarray
     v: np.ndarray

@@ -5,8 +5,8 @@ at once and whether any ever waited — added up a time slice at a time (``telem
 Why: each figure is a mean, maximum, minimum, first/last value or least-squares trend over the samples in a
 window, and each of those adds up over slices of time: extremes, first/last values and the NIC peaks exactly; a
 mean as the sum of its slices' sums (the last bits of a float sum depend on its order, so a mean rounded to 4
-decimals over a window longer than a slice can differ in that last digit from ``np.mean`` over the whole, rarely:
-~0.1% of figures); the trend's centred sums merged (``capacity.TrendSums``). With one slice — any run shorter than
+decimals over a window longer than a slice can, rarely, differ in that last digit from ``np.mean`` over the
+whole); the trend's centred sums merged (``capacity.TrendSums``). With one slice — any run shorter than
 ``SLICE_S`` — every figure is the same float the whole series gives.
 """
 

@@ -44,7 +44,7 @@ def node_figures(rows: Telemetry | list[dict[str, Any]], t0: float, t1: float) -
 def node_figures_per_window(rows: Telemetry | list[dict[str, Any]],
                             windows: list[tuple[float, float]]) -> list[dict[str, dict[str, float]]]:
     """:func:`node_figures` for each window, each node's series aggregated once and not kept (a long run's
-    per-node series, kept, would cost more than the rest of the summary)."""
+    per-node series, kept, would make the summary's memory grow with the run)."""
     figures = NodeFigures(windows)
     figures.add(telemetry_of(rows))
     return figures.result()

@@ -1,14 +1,14 @@
 """A run's telemetry a time slice at a time, so the summary's memory does not grow with the run's length.
 
-Why: a long simulated level has a telemetry row per series per second that moved — 2.4 million rows for a
-million requests — and the analysis held them all, then their series on the grid. Every figure the summary takes
+Why: a long simulated level has a telemetry row per series per second that moved, and holding them all, then
+their series on the grid, made the analysis's memory grow with the run. Every figure the summary takes
 from telemetry is a mean, maximum, first/last value or trend over a window, which adds up over time slices
 (``telemetry_figures``). So the column copy (``telemetry.columns``) is read a slice of ``SLICE_S`` simulated
 seconds at a time, each slice a :class:`~kvcap.analysis.telemetry.Telemetry` of its own whose sample times are
 exactly the whole run's in that slice: a value held from before the slice (``hold_s``) is put on the grid from
 the row it was written in (the same floats), and a value held past its end is cut there. The slicing is used only
 where it is exact — rows in time order, one source kind per metric, no series whose last row is held — and a run
-shorter than a slice is read whole, as before.
+shorter than a slice is read whole.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ NOT_FIXED = {"target.url"}
 BOOTSTRAP = 400
 BOOT_EXACT_MAX = 20_000
 """Requests in a repeat past which its bootstrap sum is drawn from the normal limit of a resampled sum (central
-limit theorem) instead of resampling: 400 × n indices held 3 GB at a million requests, and took minutes."""
+limit theorem) instead of resampling: ``BOOTSTRAP`` × n resampled indices grow with the run, in memory and time
+(see benchmarks/README.md, ``sim_speed.py``)."""
 
 MEASURED_INPUT = "requests.input_tokens_mean"
 """Not a manifest key: each arm's mean input tokens as its records (the server's usage) say."""

@@ -137,8 +137,8 @@ def misfits(rows: list[dict[str, Any]]) -> list[str]:
         bad = [f"{m} {e:+.0f}%" for m in ("throughput", "ttft_p50", "tpot_p50")
                if (e := r["error_pct"].get(m)) is not None and abs(e) > MISFIT_PCT]
         if bad:
-            out.append(f"the calibrated scenario misses fitted level {row_label(r)} ({', '.join(bad)}): its predictions "
-                       "carry at least that error; see the fit table")
+            out.append(f"the calibrated scenario misses fitted level {row_label(r)} ({', '.join(bad)}): "
+                       "its predictions carry at least that error; see the fit table")
     return out
 
 

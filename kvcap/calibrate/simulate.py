@@ -96,7 +96,8 @@ def group_sections(key: Group, levels: list[float], tpot_s: float) -> dict[str, 
     return {"workload": {"input_tokens": n_in, "output_tokens": n_out}, "load": load}
 
 
-def simulate(base: dict[str, Any], obs: list[Observation], tpot_hint_s: float) -> dict[tuple[str, str, float], Observation]:
+def simulate(base: dict[str, Any], obs: list[Observation],
+             tpot_hint_s: float) -> dict[tuple[str, str, float], Observation]:
     """Simulate every observed level with the scenario ``base`` (serving, model, cluster set); keyed like
     :func:`key`. Each group is one ``run_sim`` into a scratch directory (the simulator writes run directories)."""
     out: dict[tuple[str, str, float], Observation] = {}

@@ -176,7 +176,8 @@ def _bench_config(a: argparse.Namespace) -> Any:
     vary = parse_set(a.vary)
     fixed.update(vary)
     return BenchConfig(target=target, plan=plan, out=Path(a.out), input_dist=workload.input_dist,
-                       output_dist=workload.output_dist, tokenizer=a.tokenizer, dataset=a.dataset, server_lengths=a.input_lengths == "server",
+                       output_dist=workload.output_dist, tokenizer=a.tokenizer, dataset=a.dataset,
+                       server_lengths=a.input_lengths == "server",
                        prefix_tokens=workload.prefix_tokens, prefix_groups=workload.prefix_groups,
                        unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
                        prometheus=_prometheus_url(a.prometheus), local_telemetry=a.local_telemetry,

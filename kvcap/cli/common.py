@@ -91,8 +91,8 @@ def parse_levels(text: str, what: str, integer: bool) -> tuple[float, ...]:
 class StoreWithPresets(argparse.Action):
     """A plain `store` flag whose help may list a catalog's names as `%(presets)s`.
 
-    The names are read only when that help is printed: loading a catalog imports the spec models, which would
-    make every start-up, `kvcap --help` included, several times slower.
+    The names are read only when that help is printed: loading a catalog imports the spec models, which every
+    start-up, `kvcap --help` included, would then pay for.
     """
 
     def __init__(self, option_strings: Sequence[str], dest: str, presets: Callable[[], Sequence[str]],

@@ -152,7 +152,8 @@ def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, tags: 
     finish = o.finish_reason
     rec: RequestRecord = {
         **tags, "index": req.index, "start_s": round(o.t_sched, 6),
-        "end_s": round(o.t_last, 6) if o.t_last is not None else None, "send_delay_ms": round((o.t_sent - o.t_sched) * 1e3, 3),
+        "end_s": round(o.t_last, 6) if o.t_last is not None else None,
+        "send_delay_ms": round((o.t_sent - o.t_sched) * 1e3, 3),
         "ok": ok, "error": error, "status": o.status,
         "input_tokens": int(usage.get("prompt_tokens") or req.input_tokens),
         "output_tokens": n_out, "requested_output_tokens": req.output_tokens, "tokens_source": source,

@@ -1,11 +1,12 @@
 """A minimal HTTP/1.1 client for timed streaming requests: one ``asyncio.Protocol`` per pooled connection.
 
 Why not aiohttp on this path: on Python < 3.12 aiohttp writes a request body from a task of its own, so the bytes
-leave only after every callback already queued on the loop has run — in a burst of closed-loop users that is
-milliseconds of someone else's work counted into each TTFT. Here the request is written synchronously right after
-the send time is read, and each received network chunk is timestamped in ``data_received`` — the earliest point
-Python sees it — and handed on without a task switch per chunk. Only what a load generator needs: ``http`` and
-``https``, keep-alive pooling, chunked / Content-Length / close-delimited bodies, a total and a stall timeout.
+leave only after every callback already queued on the loop has run — in a burst of closed-loop users that is someone
+else's work counted into each TTFT (see benchmarks/README.md, ``client_overhead.py``). Here the request is written
+synchronously right after the send time is read, and each received network chunk is timestamped in ``data_received``
+— the earliest point Python sees it — and handed on without a task switch per chunk. Only what a load generator
+needs: ``http`` and ``https``, keep-alive pooling, chunked / Content-Length / close-delimited bodies, a total and a
+stall timeout.
 
 A connection goes back to the pool only when its response was read to the end and neither side asked to close.
 """

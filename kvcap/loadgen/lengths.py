@@ -1,8 +1,8 @@
 """Prompt lengths as the server counts them: before the run, learn how the server tokenizes the prompt words and
 what it adds to every prompt, build the prompts to that count, and check it on a sample of the run's own prompts.
 
-Why: N words are not N tokens to a real tokenizer (the tests' llama.cpp model counted kvcap's "40-token" prompts
-as 61–77), so ``workload.input_tokens`` was the client's guess, and two arms behind different tokenizers were of
+Why: N words are not N tokens to a real tokenizer (it splits many words into several), so
+``workload.input_tokens`` was the client's guess, and two arms behind different tokenizers were of
 the same caliber on paper only. Records count by ``usage.prompt_tokens``; this makes the prompts match it.
 
 How the server is asked — the first way that answers, each counting what the generation endpoint would (special

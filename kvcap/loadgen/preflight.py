@@ -1,8 +1,8 @@
 """Before any load is sent: is the endpoint there, and does it serve the model asked for? And the facts about the
 server the manifest keeps (models, version, engine, llama.cpp props).
 
-Why: a sweep against a dead port used to record thousands of instant connection errors and exit 0; a wrong model
-name, thousands of 404s. One cheap check up front turns both into one line and exit 1 (:class:`EndpointError`):
+Why: a sweep against a dead port would record an instant connection error per request and exit 0; a wrong
+model name, a 404 per request. One cheap check up front turns both into one line and exit 1 (:class:`EndpointError`):
 ``GET /v1/models`` answers both questions when it lists the model. A server without it (a 404 there is not
 fatal), or one that does not list the model asked for, gets one tiny real request (``max_tokens=1``, the run's own
 request shape): the listing is a hint, the server's answer decides (llama.cpp lists its one model under a path yet

@@ -171,7 +171,8 @@ class Runner:
     # ---------------------------------------------------------------- closed loop
     async def _closed(self, session: aiohttp.ClientSession, concurrency: int, repeat: int, t_start: float) -> dict:
         p = self.plan
-        share = [concurrency // self.workers + (1 if w < concurrency % self.workers else 0) for w in range(self.workers)]
+        share = [concurrency // self.workers + (1 if w < concurrency % self.workers else 0)
+                 for w in range(self.workers)]
         mine = share[self.worker]
         measure_start = t_start + p.warmup_s
         measure_end = measure_start + p.duration_s if p.duration_s is not None else math.inf

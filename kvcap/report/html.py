@@ -61,7 +61,8 @@ tr.diff td { background: #fdecec; } tr.under-test td { background: #eaf2fd; } tr
        border: 1px solid var(--line); color: var(--muted); margin-right: 4px; }
 .pass { color: #2e7d32; font-weight: 600; } .fail { color: #c62828; font-weight: 600; }
 .plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr)); gap: 14px; }
-svg.plot { width: 100%; max-width: 820px; height: auto; border: 1px solid var(--line); border-radius: 6px; background: #fff; }
+svg.plot { width: 100%; max-width: 820px; height: auto; border: 1px solid var(--line); border-radius: 6px; \
+background: #fff; }
 ul.findings li { margin: 4px 0; }
 .muted { color: var(--muted); }
 .scroll { overflow-x: auto; }

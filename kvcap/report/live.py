@@ -16,8 +16,9 @@ class RichProgress:
 
     def __init__(self, console: Console | None = None):
         self.console = console or Console(stderr=True)
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[stats]}"),
-                                 TimeElapsedColumn(), console=self.console, refresh_per_second=2, transient=False)
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                 TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=self.console,
+                                 refresh_per_second=2, transient=False)
         self.task: Any = None
         self._reset()
 

@@ -1,10 +1,10 @@
 """Run directories: the one format ``bench`` and ``sim`` write and everything downstream reads.
 
-``manifest.json`` (fixed variables, dotted keys), ``requests.jsonl`` (one record per finished request, appended
-and flushed as each finishes), ``levels.jsonl`` (one line per level: its windows and achieved load),
-``telemetry.jsonl`` (samples), ``summary.json``. The contract is ``docs/run-directory.md``, generated from the
-models here (``manifest``, ``levels``, ``summary``: ``python -m kvcap.rundir.doc``). Appending with a flush per record means a SIGKILL loses at most
-the requests still in flight and a torn last line, which the readers skip.
+``manifest.json`` (fixed variables, dotted keys), ``requests.jsonl`` (one record per finished request, appended and
+flushed as each finishes), ``levels.jsonl`` (one line per level: its windows and achieved load), ``telemetry.jsonl``
+(samples), ``summary.json``. The contract is ``docs/run-directory.md``, generated from the models here
+(``manifest``, ``levels``, ``summary``: ``python -m kvcap.rundir.doc``). Appending with a flush per record means a
+SIGKILL loses at most the requests still in flight and a torn last line, which the readers skip.
 """
 
 from __future__ import annotations
@@ -236,7 +236,8 @@ def write_json_atomic(path: Path, data: Any) -> None:
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """The cyclic garbage collector off while millions of parsed dicts (none of them cyclic) are made: its passes,
-    triggered by the allocations alone, cost a fifth of a big read and free nothing."""
+    triggered by the allocations alone, cost a large share of a big read and free nothing (see
+    benchmarks/README.md, ``analysis_speed.py``)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -247,8 +248,8 @@ def gc_paused() -> Iterator[None]:
 
 
 CHUNK_BYTES = 1 << 20
-"""Bytes of a JSONL file parsed at once: its dicts are a streamed read's peak memory (a 4 MB chunk of bench records
-held ~100 MB of them; 1 MB is as fast)."""
+"""Bytes of a JSONL file parsed at once: its dicts are a streamed read's peak memory, and a larger chunk costs
+memory without reading faster."""
 
 
 def jsonl_chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[list[dict[str, Any]]]:

@@ -43,8 +43,9 @@ class Difference(RunModel):
     key: str = Field(description="the dotted key")
     control: Any = Field(description="its value in the control run (None: not set)")
     treatment: Any = Field(description="its value in the treatment run")
-    tolerance: float | None = Field(None, description="measured figures: the relative gap within which they count "
-                                                      "as equal")
+    tolerance: float | None = Field(default=None,
+                                    description="measured figures: the relative gap within which they count "
+                                                "as equal")
 
 
 class FixedVariables(RunModel):
@@ -124,8 +125,8 @@ class Comparison(RunModel):
                                                            "treatment at some level; None without telemetry")
     warnings: list[str] = Field(description="what the reader must know")
     diagnosis: list[Finding] = Field(description="both arms' findings")
-    schedule: list[ScheduledRepeat] | None = Field(None, description="ab against real endpoints: the arms' "
-                                                                     "repeats in the order they ran")
-    summaries: ArmSummaries | None = Field(None, exclude=True, description="not written: the two summaries "
-                                                                           "compare built (None when read from "
-                                                                           "compare.json)")
+    schedule: list[ScheduledRepeat] | None = Field(default=None, description="ab against real endpoints: the arms' "
+                                                                             "repeats in the order they ran")
+    summaries: ArmSummaries | None = Field(default=None, exclude=True, description="not written: the two summaries "
+                                                                                   "compare built (None when read from "
+                                                                                   "compare.json)")

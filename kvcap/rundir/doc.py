@@ -4,7 +4,7 @@ it means (units in the key's name or its description).
     python -m kvcap.rundir.doc > docs/run-directory.md
 
 Why generated: the models are the contract; a page written by hand drifts from them, and a test
-(tests/test_rundir_models.py) fails when the committed page is not what this prints.
+(tests/unit/test_rundir_models.py) fails when the committed page is not what this prints.
 """
 
 from __future__ import annotations

@@ -23,12 +23,12 @@ def host_facts() -> dict[str, Any]:
 class Manifest(RunModel):
     """``manifest.json``."""
 
-    tool: str = Field("kvcap", description="the tool that wrote the run")
-    tool_version: str = Field(__version__, description="its version")
+    tool: str = Field(default="kvcap", description="the tool that wrote the run")
+    tool_version: str = Field(default=__version__, description="its version")
     source: Literal["bench", "sim"] = Field(description="'bench' (a real endpoint) or 'sim' (the simulator)")
-    arm: str | None = Field(None, description="the arm's name (ab: 'control' or 'treatment'), or None")
+    arm: str | None = Field(default=None, description="the arm's name (ab: 'control' or 'treatment'), or None")
     run_id: str = Field(description="the run's id (hex)")
-    scenario: str | None = Field(None, description="sim: the scenario's name")
+    scenario: str | None = Field(default=None, description="sim: the scenario's name")
     started_at: float = Field(description="when the run started (Unix epoch seconds)")
     host: dict[str, Any] = Field(default_factory=host_facts, description="where it ran: hostname, platform, "
                                                                          "python, cpus")
@@ -39,12 +39,14 @@ class Manifest(RunModel):
     fixed: dict[str, Any] = Field(description="the fixed variables, dotted keys as scenario files spell them "
                                               "(values in base units: bytes, bytes/s, seconds)")
     under_test: list[str] = Field(default_factory=list, description="the keys an experiment varies")
-    header_names: list[str] | None = Field(None, description="bench: request header names (values, API keys, are "
-                                                             "never written)")
-    clock: dict[str, Any] | None = Field(None, description="the run's time axis in wall-clock terms (t_s = epoch − "
-                                                           "epoch_at_origin), to align Prometheus samples; bench "
-                                                           "workers' clock offsets")
-    experiment: str | None = Field(None, description="the ab experiment this arm belongs to")
+    header_names: list[str] | None = Field(default=None,
+                                           description="bench: request header names (values, API keys, are "
+                                                       "never written)")
+    clock: dict[str, Any] | None = Field(default=None,
+                                         description="the run's time axis in wall-clock terms (t_s = epoch − "
+                                                     "epoch_at_origin), to align Prometheus samples; bench "
+                                                     "workers' clock offsets")
+    experiment: str | None = Field(default=None, description="the ab experiment this arm belongs to")
     notes: list[str] = Field(default_factory=list, description="precedence decisions taken on the inputs (a file "
                                                                "key an override replaced); absent when none")
 

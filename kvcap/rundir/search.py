@@ -36,10 +36,10 @@ class Effect(RunModel):
     """The best point holding one value of one grid key."""
 
     value: Any = Field(description="the key's value")
-    index: int | None = Field(None, description="the best such point's index")
-    effective: Number | None = Field(None, description="its effective capacity")
-    resident: int | None = Field(None, description="its resident requests")
-    goodput_tok_s: float | None = Field(None, description="its best goodput (tokens/s)")
+    index: int | None = Field(default=None, description="the best such point's index")
+    effective: Number | None = Field(default=None, description="its effective capacity")
+    resident: int | None = Field(default=None, description="its resident requests")
+    goodput_tok_s: float | None = Field(default=None, description="its best goodput (tokens/s)")
 
 
 class SearchResult(RunModel):

@@ -17,23 +17,23 @@ from kvcap.rundir.model import Number, RunModel
 class Percentiles(RunModel):
     """A latency's distribution over a level's judged requests that succeeded (milliseconds); None without any."""
 
-    p50: float | None = Field(None, description="median (ms)")
-    p90: float | None = Field(None, description="90th percentile (ms)")
-    p95: float | None = Field(None, description="95th percentile (ms)")
-    p99: float | None = Field(None, description="99th percentile (ms)")
-    mean: float | None = Field(None, description="mean (ms)")
+    p50: float | None = Field(default=None, description="median (ms)")
+    p90: float | None = Field(default=None, description="90th percentile (ms)")
+    p95: float | None = Field(default=None, description="95th percentile (ms)")
+    p99: float | None = Field(default=None, description="99th percentile (ms)")
+    mean: float | None = Field(default=None, description="mean (ms)")
 
 
 class Intervals(RunModel):
     """95% confidence intervals ``[low, high]``; None when there is too little data (under 5 requests, or a
     single repeat for the throughputs)."""
 
-    ttft_p95_ms: list[float] | None = Field(None, description="TTFT p95 (ms): requests resampled, or the "
+    ttft_p95_ms: list[float] | None = Field(default=None, description="TTFT p95 (ms): requests resampled, or the "
                                                               "order-statistic interval past 2000 requests")
-    tpot_p95_ms: list[float] | None = Field(None, description="TPOT p95 (ms), as ttft_p95_ms")
-    output_tok_s: list[float] | None = Field(None, description="median output tokens/s over repeats "
+    tpot_p95_ms: list[float] | None = Field(default=None, description="TPOT p95 (ms), as ttft_p95_ms")
+    output_tok_s: list[float] | None = Field(default=None, description="median output tokens/s over repeats "
                                                                "(bootstrap over repeats)")
-    goodput_tok_s: list[float] | None = Field(None, description="median goodput tokens/s over repeats "
+    goodput_tok_s: list[float] | None = Field(default=None, description="median goodput tokens/s over repeats "
                                                                 "(bootstrap over repeats)")
 
 
@@ -41,48 +41,48 @@ class LittlesLaw(RunModel):
     """Little's law cross-check: λ·W against the measured mean number in flight (and the configured
     concurrency); a ratio well below 1 means the client did not keep the load asked for."""
 
-    in_flight: float | None = Field(None, description="time-averaged requests in flight, from the records")
-    rate_x_response: float | None = Field(None, description="completions/s × mean E2E (s): requests in flight "
+    in_flight: float | None = Field(default=None, description="time-averaged requests in flight, from the records")
+    rate_x_response: float | None = Field(default=None, description="completions/s × mean E2E (s): requests in flight "
                                                             "by Little's law")
-    ratio_to_concurrency: float | None = Field(None, description="in_flight / the configured concurrency "
+    ratio_to_concurrency: float | None = Field(default=None, description="in_flight / the configured concurrency "
                                                                  "(closed loop only)")
-    mismatch: bool | None = Field(None, description="ratio_to_concurrency below 0.85 or above 1.1")
+    mismatch: bool | None = Field(default=None, description="ratio_to_concurrency below 0.85 or above 1.1")
 
 
 class Stationarity(RunModel):
     """Condition (c): is the server's queue (or, without telemetry, TTFT) growing over the measured window?
     Empty (``{}``) when the level has no window figures at all."""
 
-    source: str | None = Field(None, description="what the trend was taken on: "
+    source: str | None = Field(default=None, description="what the trend was taken on: "
                                                  "'telemetry:server.requests_waiting', 'client:ttft', or None")
-    growing: bool = Field(False, description="the trend is significant (one-sided 95%) and large enough")
-    slope: float | None = Field(None, description="least-squares slope (requests/s, or ms of TTFT per s)")
-    lower95: float | None = Field(None, description="one-sided 95% lower bound of the slope")
-    span_s: float | None = Field(None, description="time spanned by the samples (s)")
-    growth: float | None = Field(None, description="slope × span: requests the queue grew by (telemetry)")
-    growth_ms: float | None = Field(None, description="slope × span: ms the TTFT grew by (client)")
+    growing: bool = Field(default=False, description="the trend is significant (one-sided 95%) and large enough")
+    slope: float | None = Field(default=None, description="least-squares slope (requests/s, or ms of TTFT per s)")
+    lower95: float | None = Field(default=None, description="one-sided 95% lower bound of the slope")
+    span_s: float | None = Field(default=None, description="time spanned by the samples (s)")
+    growth: float | None = Field(default=None, description="slope × span: requests the queue grew by (telemetry)")
+    growth_ms: float | None = Field(default=None, description="slope × span: ms the TTFT grew by (client)")
 
 
 class NodeFigures(RunModel):
     """One node's telemetry over a level's window; a key is absent when its series is."""
 
-    gpu_util_mean: float | None = Field(None, description="GPU utilisation, mean (fraction)")
-    gpu_util_max: float | None = Field(None, description="GPU utilisation, max (fraction)")
-    gpu_mem_used_max_bytes: float | None = Field(None, description="GPU memory used, max (bytes)")
-    kv_usage_mean: float | None = Field(None, description="KV cache usage, mean (fraction of HBM blocks)")
-    kv_usage_max: float | None = Field(None, description="KV cache usage, max (fraction of HBM blocks)")
-    running_mean: float | None = Field(None, description="requests running (decoding), mean")
-    running_max: float | None = Field(None, description="requests running (decoding), max")
-    waiting_mean: float | None = Field(None, description="requests waiting, mean")
-    net_rx_bytes_s_mean: float | None = Field(None, description="network received, mean (bytes/s)")
-    net_tx_bytes_s_mean: float | None = Field(None, description="network sent, mean (bytes/s)")
-    net_rx_bytes_s_max: float | None = Field(None, description="network received, max (bytes/s)")
-    net_tx_bytes_s_max: float | None = Field(None, description="network sent, max (bytes/s)")
-    link_util_max: float | None = Field(None, description="busiest link or NIC direction, max (fraction of its "
+    gpu_util_mean: float | None = Field(default=None, description="GPU utilisation, mean (fraction)")
+    gpu_util_max: float | None = Field(default=None, description="GPU utilisation, max (fraction)")
+    gpu_mem_used_max_bytes: float | None = Field(default=None, description="GPU memory used, max (bytes)")
+    kv_usage_mean: float | None = Field(default=None, description="KV cache usage, mean (fraction of HBM blocks)")
+    kv_usage_max: float | None = Field(default=None, description="KV cache usage, max (fraction of HBM blocks)")
+    running_mean: float | None = Field(default=None, description="requests running (decoding), mean")
+    running_max: float | None = Field(default=None, description="requests running (decoding), max")
+    waiting_mean: float | None = Field(default=None, description="requests waiting, mean")
+    net_rx_bytes_s_mean: float | None = Field(default=None, description="network received, mean (bytes/s)")
+    net_tx_bytes_s_mean: float | None = Field(default=None, description="network sent, mean (bytes/s)")
+    net_rx_bytes_s_max: float | None = Field(default=None, description="network received, max (bytes/s)")
+    net_tx_bytes_s_max: float | None = Field(default=None, description="network sent, max (bytes/s)")
+    link_util_max: float | None = Field(default=None, description="busiest link or NIC direction, max (fraction of its "
                                                           "line rate)")
-    host_mem_available_min_bytes: float | None = Field(None, description="host memory available, min (bytes)")
-    net_rx_gbps_mean: float | None = Field(None, description="network received, mean (Gbit/s)")
-    net_tx_gbps_mean: float | None = Field(None, description="network sent, mean (Gbit/s)")
+    host_mem_available_min_bytes: float | None = Field(default=None, description="host memory available, min (bytes)")
+    net_rx_gbps_mean: float | None = Field(default=None, description="network received, mean (Gbit/s)")
+    net_tx_gbps_mean: float | None = Field(default=None, description="network sent, mean (Gbit/s)")
 
 
 class Imbalance(RunModel):
@@ -93,10 +93,10 @@ class Imbalance(RunModel):
     hot_value: float = Field(description="its value of ``metric``")
     cold: str = Field(description="the least busy node")
     cold_value: float = Field(description="its value of ``metric``")
-    cold_kv_usage_max: float | None = Field(None, description="the cold node's KV usage, max (fraction)")
-    fair_share: float | None = Field(None, description="requests held per node if spread evenly")
-    in_flight: Number | None = Field(None, description="the level's load in flight (None: unknown)")
-    replicas: int | None = Field(None, description="servers (replicas) that could share the load")
+    cold_kv_usage_max: float | None = Field(default=None, description="the cold node's KV usage, max (fraction)")
+    fair_share: float | None = Field(default=None, description="requests held per node if spread evenly")
+    in_flight: Number | None = Field(default=None, description="the level's load in flight (None: unknown)")
+    replicas: int | None = Field(default=None, description="servers (replicas) that could share the load")
 
 
 class LevelSummary(RunModel):
@@ -108,24 +108,27 @@ class LevelSummary(RunModel):
 
     mode: str = Field(description="load model: 'concurrency', 'rate' or 'trace'")
     level: Number = Field(description="the load: concurrency (requests), rate (requests/s) or trace speed (×)")
-    requests: int | None = Field(None, description="measured requests judged (started in the window, not cancelled)")
-    ok: int | None = Field(None, description="judged requests that succeeded")
-    errors: int | None = Field(None, description="judged requests that failed")
-    cancelled: int | None = Field(None, description="measured requests cancelled at the level's end")
+    requests: int | None = Field(default=None, description="measured requests judged (started in the window, not "
+                                                            "cancelled)")
+    ok: int | None = Field(default=None, description="judged requests that succeeded")
+    errors: int | None = Field(default=None, description="judged requests that failed")
+    cancelled: int | None = Field(default=None, description="measured requests cancelled at the level's end")
     error_classes: dict[str, int] = Field(default_factory=dict, description="failed requests per error class, in "
                                                                            "order of first seen")
     output_tok_s: float = Field(description="output tokens/s received inside the window (median over repeats)")
-    request_s: float | None = Field(None, description="requests/s completed inside the window (median over repeats)")
+    request_s: float | None = Field(default=None, description="requests/s completed inside the window (median "
+                                                              "over repeats)")
     output_tok_s_repeats: list[float] = Field(default_factory=list, description="output_tok_s of each repeat")
     goodput_tok_s: float = Field(description="output tokens/s of the requests within every SLO limit "
                                              "(median over repeats)")
     goodput_tok_s_repeats: list[float] = Field(default_factory=list, description="goodput_tok_s of each repeat")
-    in_flight_mean: float | None = Field(None, description="time-averaged requests in flight (median over repeats)")
-    error_rate: float | None = Field(None, description="errors / requests (fraction)")
-    truncated: int | None = Field(None, description="successful requests cut short of the output asked")
-    output_tokens_mean: float | None = Field(None, description="mean output tokens of the successful requests")
-    input_tokens_mean: float | None = Field(None, description="mean input tokens of the successful requests, as "
-                                                              "the server counted them")
+    in_flight_mean: float | None = Field(default=None, description="time-averaged requests in flight (median over "
+                                                                   "repeats)")
+    error_rate: float | None = Field(default=None, description="errors / requests (fraction)")
+    truncated: int | None = Field(default=None, description="successful requests cut short of the output asked")
+    output_tokens_mean: float | None = Field(default=None, description="mean output tokens of the successful requests")
+    input_tokens_mean: float | None = Field(default=None, description="mean input tokens of the successful "
+                                                                      "requests, as the server counted them")
     ttft_ms: Percentiles = Field(default_factory=Percentiles, description="time to first token (ms)")
     tpot_ms: Percentiles = Field(default_factory=Percentiles, description="time per output token after the first "
                                                                           "(ms)")
@@ -140,29 +143,30 @@ class LevelSummary(RunModel):
     failed_checks: list[str] = Field(default_factory=list, description="SLO items and conditions "
                                                                       "(throughput_growth, error_rate, timeouts, "
                                                                       "queue_growth, preemptions) this level fails")
-    achieved_rate: float | None = Field(None, description="requests/s actually sent (open loop; median over "
-                                                          "repeats)")
+    achieved_rate: float | None = Field(default=None, description="requests/s actually sent (open loop; median over "
+                                                                  "repeats)")
     client_warnings: list[str] = Field(default_factory=list, description="the load generator's warnings")
-    server_running_max: Number | None = Field(None, description="requests running (decoding), max")
-    server_running_mean: float | None = Field(None, description="requests running (decoding), mean")
-    server_waiting_mean: float | None = Field(None, description="requests waiting, mean")
-    server_waiting_max: Number | None = Field(None, description="requests waiting, max")
-    server_parked_max: Number | None = Field(None, description="requests parked in a lower KV tier, max")
-    server_parked_mean: float | None = Field(None, description="requests parked in a lower KV tier, mean")
-    link_util_max: float | None = Field(None, description="busiest link, max (fraction of its capacity)")
-    gpu_util_mean: float | None = Field(None, description="GPU utilisation, mean (fraction)")
-    kv_usage_mean: float | None = Field(None, description="KV cache usage, mean (fraction of HBM blocks)")
-    kv_usage_max: float | None = Field(None, description="KV cache usage, max (fraction of HBM blocks)")
-    net_rx_bytes_s_mean: float | None = Field(None, description="network received, mean (bytes/s)")
-    net_tx_bytes_s_mean: float | None = Field(None, description="network sent, mean (bytes/s)")
-    nodes: dict[str, NodeFigures] | None = Field(None, description="per node (present with node-labelled "
+    server_running_max: Number | None = Field(default=None, description="requests running (decoding), max")
+    server_running_mean: float | None = Field(default=None, description="requests running (decoding), mean")
+    server_waiting_mean: float | None = Field(default=None, description="requests waiting, mean")
+    server_waiting_max: Number | None = Field(default=None, description="requests waiting, max")
+    server_parked_max: Number | None = Field(default=None, description="requests parked in a lower KV tier, max")
+    server_parked_mean: float | None = Field(default=None, description="requests parked in a lower KV tier, mean")
+    link_util_max: float | None = Field(default=None, description="busiest link, max (fraction of its capacity)")
+    gpu_util_mean: float | None = Field(default=None, description="GPU utilisation, mean (fraction)")
+    kv_usage_mean: float | None = Field(default=None, description="KV cache usage, mean (fraction of HBM blocks)")
+    kv_usage_max: float | None = Field(default=None, description="KV cache usage, max (fraction of HBM blocks)")
+    net_rx_bytes_s_mean: float | None = Field(default=None, description="network received, mean (bytes/s)")
+    net_tx_bytes_s_mean: float | None = Field(default=None, description="network sent, mean (bytes/s)")
+    nodes: dict[str, NodeFigures] | None = Field(default=None, description="per node (present with node-labelled "
                                                                    "telemetry)")
-    imbalance: Imbalance | None = Field(None, description="load that could be spread is not (absent: none seen)")
-    littles_law: LittlesLaw | None = Field(None, description="Little's law cross-check")
-    scaling_efficiency: float | None = Field(None, description="condition (a): throughput gain over the "
+    imbalance: Imbalance | None = Field(default=None,
+                                        description="load that could be spread is not (absent: none seen)")
+    littles_law: LittlesLaw | None = Field(default=None, description="Little's law cross-check")
+    scaling_efficiency: float | None = Field(default=None, description="condition (a): throughput gain over the "
                                                                "proportional gain from the previous level")
     stationarity: Stationarity = Field(default_factory=Stationarity, description="condition (c)")
-    preemptions: Number | None = Field(None, description="server preemptions during the window")
+    preemptions: Number | None = Field(default=None, description="server preemptions during the window")
 
 
 class ScalingPoint(RunModel):
@@ -233,15 +237,16 @@ class Summary(RunModel):
     diagnosis: list[Finding] = Field(default_factory=list, description="what bounds the run")
     warnings: list[str] = Field(default_factory=list, description="what the reader must know (input lengths, "
                                                                   "clock offsets)")
-    prometheus: dict[str, Any] | None = Field(None, description="bench: the Prometheus pull (url, rows, series "
+    prometheus: dict[str, Any] | None = Field(default=None, description="bench: the Prometheus pull (url, rows, series "
                                                                 "or error)")
-    interrupted: bool | None = Field(None, description="bench/sim: the run was interrupted (Ctrl-C)")
-    stopped: dict[str, Any] | None = Field(None, description="bench: where the error rule stopped the sweep "
+    interrupted: bool | None = Field(default=None, description="bench/sim: the run was interrupted (Ctrl-C)")
+    stopped: dict[str, Any] | None = Field(default=None, description="bench: where the error rule stopped the sweep "
                                                              "(mode, level, repeat, reason)")
-    failed: str | None = Field(None, description="bench: why the run failed as a whole, or None")
-    client: dict[str, Any] | None = Field(None, description="bench: the load generator's loop lag (ms), CPU "
+    failed: str | None = Field(default=None, description="bench: why the run failed as a whole, or None")
+    client: dict[str, Any] | None = Field(default=None, description="bench: the load generator's loop lag (ms), CPU "
                                                             "fraction and warnings")
-    telemetry_samples: int | None = Field(None, description="bench: telemetry samples taken")
-    lost_workers: list[dict[str, Any]] | None = Field(None, description="bench --ray: workers lost (worker, host, "
-                                                                        "node_id, reason)")
-    sim: SimTotals | None = Field(None, description="sim: the engine's totals")
+    telemetry_samples: int | None = Field(default=None, description="bench: telemetry samples taken")
+    lost_workers: list[dict[str, Any]] | None = Field(default=None,
+                                                      description="bench --ray: workers lost (worker, host, "
+                                                                  "node_id, reason)")
+    sim: SimTotals | None = Field(default=None, description="sim: the engine's totals")

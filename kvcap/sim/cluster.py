@@ -70,7 +70,8 @@ class ClusterModel:
                 blocks=blocks, block_size=sv.block_size, max_num_seqs=sv.max_num_seqs,
                 max_num_batched_tokens=sv.max_num_batched_tokens, chunked_prefill=sv.chunked_prefill, cost=cost,
                 kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=sv.hash_block_tokens,
-                prefix_caching=sv.enable_prefix_caching and sv.engine == "vllm", park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
+                prefix_caching=sv.enable_prefix_caching and sv.engine == "vllm",
+                park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
                 node=nodes[0], host_link=host_link,
                 nic_links=tuple(nics[n] for n in nodes), blocks_for=blocks_for,
                 max_model_len=inputs.model.max_position_embeddings or None))

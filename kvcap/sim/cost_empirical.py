@@ -7,13 +7,13 @@ already measured is better described by its own coefficients. A step takes
         + per_context_token·(decode KV) + per_waiting·(sequences that sample)·(requests waiting),
     at least floor·passes
 
-where passes are the forward passes the engine runs for the step (1, but for llama.cpp's split KV), the sequences that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt
-that finishes in the step samples its first token; engines also compute a row of logits for a partial chunk)
-and decode KV is the sum of the decoders' context lengths. It implements
-:class:`~kvcap.sim.step_cost.StepCostModel`, as the roofline does, with the pure-decode spans in closed form. It has no
-bytes or FLOPs: the breakdown puts the per-sequence and per-token terms under ``gemm_s``, the context term under
-``attn_s``, ``base`` under ``overhead_s``, and calls every step compute-bound (there is no roofline to say
-otherwise).
+where passes are the forward passes the engine runs for the step (1, but for llama.cpp's split KV), the sequences
+that sample are the decoders plus the prefill chunks (``BatchShape.n_sampled``: a prompt that finishes in the step
+samples its first token; engines also compute a row of logits for a partial chunk) and decode KV is the sum of the
+decoders' context lengths. It implements :class:`~kvcap.sim.step_cost.StepCostModel`, as the roofline does, with the
+pure-decode spans in closed form. It has no bytes or FLOPs: the breakdown puts the per-sequence and per-token terms
+under ``gemm_s``, the context term under ``attn_s``, ``base`` under ``overhead_s``, and calls every step
+compute-bound (there is no roofline to say otherwise).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ SHA-256 of every ``kvcap`` source as it compiled them (a compiled module bakes i
 and the modules it compiled; here they are compared (a few ms) and, on any doubt — a changed or missing source,
 a compiled module the manifest does not list, a library that does not load, ``KVCAP_PURE=1`` — every
 ``kvcap.sim`` module is loaded from its ``.py`` file. Both builds give the same records, byte for byte
-(``tests/test_sim_native.py``).
+(``tests/integration/test_sim_native.py``).
 """
 
 from __future__ import annotations

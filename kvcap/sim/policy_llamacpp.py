@@ -28,9 +28,9 @@ The rules it follows (llama.cpp ``tools/server``: ``update_slots``, ``process_si
 With ``serving.kv_unified`` (``--kv-unified``, one shared pool; llama.cpp's default when ``--parallel`` is left to
 auto) a step is one pass per ``n_ubatch`` tokens, whatever slots are busy; slots keep their own context.
 
-Not modelled: context shift, speculative decoding, and prompt caching (``cache_prompt`` reuses a prefix only within the same
-slot, and a slot whose cached prompt matches the new one is chosen before the least recently used; the profile
-leaves prefix caching off).
+Not modelled: context shift, speculative decoding, and prompt caching (``cache_prompt`` reuses a prefix only within
+the same slot, and a slot whose cached prompt matches the new one is chosen before the least recently used; the
+profile leaves prefix caching off).
 """
 
 from __future__ import annotations

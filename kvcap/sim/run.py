@@ -68,7 +68,8 @@ class SimConfig:
     record_itl: bool = True
     trace_file: str | None = None
     full_telemetry: bool = False
-    """Write every series at every ``sampler.SAMPLE_S`` (the old grid) instead of on change: for tests and comparisons."""
+    """Write every series at every ``sampler.SAMPLE_S`` (the old grid) instead of on change: for tests and
+    comparisons."""
     notes: list[str] = field(default_factory=list)
     """What the command line replaced in the scenario (``specs.load.displaced_by_overrides``), for the manifest."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

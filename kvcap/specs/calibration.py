@@ -34,8 +34,8 @@ class Coefficient(SectionPart):
     """One coefficient of the fitted step cost."""
 
     value_s: Number = Field(description="its value (s)")
-    stderr_s: Number | None = Field(None, description="its standard error (s) from the closed-form fit; None where "
-                                                     "that fit did not estimate it")
+    stderr_s: Number | None = Field(default=None, description="its standard error (s) from the closed-form fit; "
+                                                             "None where that fit did not estimate it")
 
 
 class FittedSlots(SectionPart):
@@ -72,24 +72,26 @@ class FitRow(SectionPart):
 class CalibrationSection(SectionPart):
     """``calibration:``."""
 
-    source_runs: list[str] | None = Field(None, description="the run directories fitted")
-    engine: str | None = Field(None, description="the scheduling profile: 'vllm' or 'llamacpp'")
-    coefficients: dict[str, Coefficient] | None = Field(None, description="the step cost's coefficients by key "
-                                                                          "(serving.step_cost)")
-    stderr_of: str | None = Field(None, description="what the standard errors are of")
-    slots: FittedSlots | None = Field(None, description="the slots fitted")
-    kv_tokens_source: str | None = Field(None, description="where serving.kv_tokens came from")
-    fit: FitMethod | None = Field(None, description="how the coefficients were fitted")
-    fit_error_pct: dict[str, Number | None] | None = Field(None, description="mean absolute error per metric over "
-                                                                             "the fitted levels (%)")
-    holdout_error_pct: dict[str, Number | None] | None = Field(None, description="the same over the held-out "
-                                                                                 "levels (None: none held out)")
-    table: list[FitRow] | None = Field(None, description="every measured level, measured against simulated")
-    warnings: list[str] | None = Field(None, description="fitted levels the scenario misses by far")
-    limits: list[str] | None = Field(None, description="what the profile could not show: a what-if along that "
-                                                       "axis extrapolates")
-    profiled_input_tokens: Span | None = Field(None, description="[least, most] mean prompt tokens of the fitted "
-                                                                 "levels")
-    profiled_waiting: Span | None = Field(None, description="llama.cpp: [least, most] requests waiting for a slot "
-                                                            "over the fitted levels")
-    profiled_batch: Span | None = Field(None, description="[least, most] sequences in a step over the fitted levels")
+    source_runs: list[str] | None = Field(default=None, description="the run directories fitted")
+    engine: str | None = Field(default=None, description="the scheduling profile: 'vllm' or 'llamacpp'")
+    coefficients: dict[str, Coefficient] | None = Field(default=None, description="the step cost's coefficients by key "
+                                                                                  "(serving.step_cost)")
+    stderr_of: str | None = Field(default=None, description="what the standard errors are of")
+    slots: FittedSlots | None = Field(default=None, description="the slots fitted")
+    kv_tokens_source: str | None = Field(default=None, description="where serving.kv_tokens came from")
+    fit: FitMethod | None = Field(default=None, description="how the coefficients were fitted")
+    fit_error_pct: dict[str, Number | None] | None = Field(default=None, description="mean absolute error per "
+                                                                                     "metric over the fitted levels "
+                                                                                     "(%)")
+    holdout_error_pct: dict[str, Number | None] | None = Field(default=None, description="the same over the held-out "
+                                                                                         "levels (None: none held out)")
+    table: list[FitRow] | None = Field(default=None, description="every measured level, measured against simulated")
+    warnings: list[str] | None = Field(default=None, description="fitted levels the scenario misses by far")
+    limits: list[str] | None = Field(default=None, description="what the profile could not show: a what-if along that "
+                                                               "axis extrapolates")
+    profiled_input_tokens: Span | None = Field(default=None, description="[least, most] mean prompt tokens of the "
+                                                                         "fitted levels")
+    profiled_waiting: Span | None = Field(default=None, description="llama.cpp: [least, most] requests waiting for "
+                                                                    "a slot over the fitted levels")
+    profiled_batch: Span | None = Field(default=None, description="[least, most] sequences in a step over the "
+                                                                  "fitted levels")

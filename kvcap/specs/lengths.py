@@ -88,7 +88,8 @@ def parse_length(text: str | int, what: str = "length", hi: int = 1_000_000) -> 
         args = [float(x) for x in rest.split(",")]
     except ValueError:
         raise InputError(f"cannot read {what} {s!r}: use N, uniform:a,b, normal:mean,sd or lognormal:mean,sd") from None
-    if kind not in ("uniform", "normal", "lognormal") or len(args) not in (2, 3) or (kind == "uniform" and len(args) == 3):
+    if (kind not in ("uniform", "normal", "lognormal") or len(args) not in (2, 3)
+            or (kind == "uniform" and len(args) == 3)):
         raise InputError(f"cannot read {what} {s!r}: use N, uniform:a,b, normal:mean,sd[,max] or "
                          "lognormal:mean,sd[,max]")
     a, b = args[:2]

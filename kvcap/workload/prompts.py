@@ -262,7 +262,8 @@ def load_dataset(path: str) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise InputError(f"dataset {path!r} line {n} is not JSON") from None
-        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list)):
+        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str)
+                                             or isinstance(row.get("messages"), list)):
             raise InputError(f"dataset {path!r} line {n}: needs a 'prompt' string or a 'messages' list")
         rows.append(row)
     if not rows:

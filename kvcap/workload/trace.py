@@ -64,7 +64,8 @@ def read_trace(path: str, limit: int | None = None) -> list[TraceRow]:
                         rows.append(TraceRow(float(d["arrival_s"]), int(d["input_tokens"]), int(d["output_tokens"])))
                 except (ValueError, KeyError, TypeError):
                     raise InputError(f"trace {path!r} line {n}: expected Mooncake (timestamp, input_length, "
-                                     "output_length) or kvcap (arrival_s, input_tokens, output_tokens) fields") from None
+                                     "output_length) or kvcap (arrival_s, input_tokens, output_tokens) "
+                                     "fields") from None
                 if limit and len(rows) >= limit:
                     break
     if not rows:

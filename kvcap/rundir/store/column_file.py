@@ -1,14 +1,14 @@
 """Binary column copies of a run's two big JSONL files, written beside them by ``kvcap sim``, read by the analysis
 in their place while they still match.
 
-Why: a million simulated requests are ~1.9 GB of ``requests.jsonl`` (per-token ITLs) and ~260 MB of
-``telemetry.jsonl``, ~20 s to parse, while the analysis needs a dozen numbers per record, the ITLs and each
-series' samples. The simulator has them as arrays as it writes (``RecordColumns``, the sampler), so it appends them
-to ``requests.columns`` and ``telemetry.columns`` too, and the analysis reads those in a fraction of the time.
-The JSONL files stay the record and the contract: a copy is trusted only while its JSONL is the very file it was
-written beside — same size, modification time and digests of its first and last MiB, kept in the copy's index
-(``<name>.columns.json``, written last). A killed run (no index), an edited or appended JSONL, or a copy that did
-not keep the times is read from its JSONL, as before, with the same figures (tests compare every summary key).
+Why: a long simulated run's ``requests.jsonl`` (per-token ITLs) and ``telemetry.jsonl`` are big and slow to parse,
+while the analysis needs a dozen numbers per record, the ITLs and each series' samples. The simulator has them as
+arrays as it writes (``RecordColumns``, the sampler), so it appends them to ``requests.columns`` and
+``telemetry.columns`` too, and the analysis reads those in a fraction of the time (see benchmarks/README.md,
+``sim_speed.py``). The JSONL files stay the record and the contract: a copy is trusted only while its JSONL is the
+very file it was written beside — same size, modification time and digests of its first and last MiB, kept in the
+copy's index (``<name>.columns.json``, written last). A killed run (no index), an edited or appended JSONL, or a
+copy that did not keep the times is read from its JSONL, with the same figures (tests compare every summary key).
 
 Layout: one ``.npy`` array after another (``numpy.save`` on one open file), a fixed list of arrays per chunk.
 Request ITLs on the 1 µs grid both writers round to are stored as µs in the smallest unsigned integer type that
@@ -210,8 +210,8 @@ def _itl_stored(itl: np.ndarray) -> np.ndarray:
 
 class ColumnWriter(_Writer):
     """``requests.columns``: records' columns (``extract``'s) as the run writes them, stored in chunks of at least
-    ``min_rows`` records (a JSONL parsed a megabyte at a time gives ~500: each stored chunk's 18 array headers
-    cost more to read back than its data)."""
+    ``min_rows`` records (a megabyte of JSONL holds far fewer, and a small chunk's 18 array headers cost more to
+    read back than its data)."""
 
     def __init__(self, jsonl: Path, min_rows: int = 4096):
         super().__init__(jsonl)

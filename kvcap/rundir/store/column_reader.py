@@ -1,18 +1,17 @@
 """Request records → per-level columns (``level_blocks.Level``), read from ``requests.jsonl`` in chunks or from
 its binary column copy.
 
-Why: the analysis needs a dozen numbers per record, not a dict per record kept alive for the whole run (a
-million records held as dicts took ~1 GB, and per-token ITL lists several more). The file is parsed a megabyte at a
-time (one ``orjson`` call per chunk), each chunk's fields go into per-(mode, level) column builders, and the
-chunk's dicts are dropped. Per-token ITLs are never kept per record: a record's tokens inside each measured
-window of its level (known beforehand from ``levels.jsonl``) are counted as the chunk is read, and the ITLs of
-the judged ok requests, needed for the ITL percentiles, are kept as floats up to ``ITL_EXACT_MAX`` per level,
-then as exact counts per distinct value on the 1 µs grid both writers round to (``quantiles``). A level's columns
-past ``BLOCK_ROWS`` rows wait on disk in blocks, so memory stays bounded in the number of records too. Only a
-level without a line in ``levels.jsonl`` (a killed run's last) keeps its ITLs until its window is known from its
-records (up to ``KEEP_ITL_MAX``; past it, or once it spills, its tokens are counted by a second read). The figures
-are the same whether a file is read in one chunk or many, in one block or many (tests compare every key of
-``summary.json``).
+Why: the analysis needs a dozen numbers per record, not a dict per record kept alive for the whole run (dicts and
+per-token ITL lists make memory grow with the run; see benchmarks/README.md, ``analysis_speed.py``). The file is parsed
+a megabyte at a time (one ``orjson`` call per chunk), each chunk's fields go into per-(mode, level) column builders, and
+the chunk's dicts are dropped. Per-token ITLs are never kept per record: a record's tokens inside each measured window
+of its level (known beforehand from ``levels.jsonl``) are counted as the chunk is read, and the ITLs of the judged ok
+requests, needed for the ITL percentiles, are kept as floats up to ``ITL_EXACT_MAX`` per level, then as exact counts per
+distinct value on the 1 µs grid both writers round to (``quantiles``). A level's columns past ``BLOCK_ROWS`` rows wait
+on disk in blocks, so memory stays bounded in the number of records too. Only a level without a line in ``levels.jsonl``
+(a killed run's last) keeps its ITLs until its window is known from its records (up to ``KEEP_ITL_MAX``; past it, or
+once it spills, its tokens are counted by a second read). The figures are the same whether a file is read in one chunk
+or many, in one block or many (tests compare every key of ``summary.json``).
 """
 
 from __future__ import annotations

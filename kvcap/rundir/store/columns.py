@@ -208,7 +208,7 @@ def error_codes() -> Codes:
 class Column:
     """One growing column, doubled when full: a long level is a few large allocations, each handed back to the
     system when replaced, not thousands of chunk-sized pieces that stay in the heap after a final concatenate
-    (which held a 10M-record run at twice its columns)."""
+    (pieces and result together: twice the level's columns)."""
 
     def __init__(self, dtype: Any):
         self.arr: np.ndarray = np.empty(4096, dtype)

@@ -1,8 +1,8 @@
 """A level's records as blocks of columns: the earlier blocks of a long level wait on disk, so its analysis holds
 one block at a time, however many records it has.
 
-Why: a million-request level held as columns took ~130 bytes a request, and the statistics' temporaries as
-much again — memory that grew with the run. The statistics (``stats.summarize_level``, ``capacity.stationarity``)
+Why: a level held whole as columns, and the statistics' temporaries over it, make memory grow with the run (see
+benchmarks/README.md, ``sim_speed.py``). The statistics (``stats.summarize_level``, ``capacity.stationarity``)
 make two passes over the blocks instead: sums, counts and trend sums in the first, exact order statistics by
 bucket in the second (``quantiles.OrderStats``: percentiles equal to numpy's over all the rows; a mean is the sum
 of its blocks' sums, which can differ from ``np.mean`` over all the rows in its last bits). The blocks go to one
@@ -42,7 +42,7 @@ class Spill:
             except OSError:  # a read-only run directory: the system's temporary directory
                 try:
                     self._file = tempfile.TemporaryFile()  # noqa: SIM115
-                except OSError:  # nowhere to write: the blocks stay in memory, as before blocks
+                except OSError:  # nowhere to write: the blocks stay in memory
                     self.in_memory = True
         return self._file
 

@@ -112,7 +112,7 @@ class ItlValues:
         """µs values (integers) into the counts; the parts they came from are done."""
         self.parts, self.size = [], 0
         vals, counts = _value_counts(us)
-        if self.grid_us.size:  # merged as arrays: a level has ~10⁵ distinct values, merged ~100 times
+        if self.grid_us.size:  # merged as arrays: many distinct values, merged once per part
             vals, where = np.unique(np.concatenate((self.grid_us, vals)), return_inverse=True)
             merged = np.zeros(vals.size, np.int64)
             np.add.at(merged, where, np.concatenate((self.grid_counts, counts)))

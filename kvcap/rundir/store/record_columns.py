@@ -1,7 +1,8 @@
 """The column copy of ``requests.jsonl`` (``requests.columns``) taken from a run's records as it writes them.
 
 Why: the records are in hand as they are written, so their columns cost one ``extract`` per chunk of them, where
-parsing the JSONL back (per-token ITLs as millions of JSON floats) was a quarter of a long ``kvcap sim``. The
+parsing the JSONL back (per-token ITLs as millions of JSON floats) was a large part of a long ``kvcap sim`` (see
+benchmarks/README.md, ``sim_speed.py``). The
 run's closing summary then reads the copy like any later ``analyze`` does — one path, a level's blocks at a time,
 in memory that does not grow with the run (``column_reader``).
 """

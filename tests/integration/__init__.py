@@ -1,0 +1,1 @@
+"""Integration lane: the CLI in a subprocess, test servers, real peers (llama.cpp, Prometheus, Ray, chromium)."""
