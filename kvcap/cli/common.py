@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from kvcap.errors import InputError
 
 if TYPE_CHECKING:
+    from kvcap.rundir import RunDir
     from kvcap.rundir.compare import Comparison
     from kvcap.rundir.summary import Summary
 
@@ -192,26 +193,24 @@ OUTCOME_KEYS = ("interrupted", "stopped", "failed")
 """How a run ended, as only the recording command knew it (``bench``'s summary.json)."""
 
 
-def carry_outcome(summary: Summary | dict[str, Any], run: Any) -> None:
+def carry_outcome(summary: Summary, run: RunDir) -> None:
     """Into a freshly built ``summary``: how ``run`` ended — from its summary.json where the recording command
     wrote one, else from its level lines (a killed run has no summary: each line says ``stopped``/``interrupted``)."""
-    old = run.summary.to_json() if run.summary is not None else {}
-    outcome: dict[str, Any] = {key: old[key] for key in OUTCOME_KEYS if key in old}
-    if not outcome:
-        lines = [line.to_json() for line in run.levels()]
-        stopped = next((line["stopped"] for line in lines if line.get("stopped")), None)
-        if any(line.get("interrupted") for line in lines):
-            outcome["interrupted"] = True
-        if stopped:
-            from kvcap.loadgen.guard import run_failure
+    old = run.summary
+    kept = [key for key in OUTCOME_KEYS if old is not None and key in old.model_fields_set]
+    if old is not None and kept:
+        for key in kept:
+            setattr(summary, key, getattr(old, key))
+        return
+    lines = run.levels()
+    stopped = next((line.stopped for line in lines if line.stopped is not None), None)
+    if any(line.interrupted for line in lines):
+        summary.interrupted = True
+    if stopped is not None:
+        from kvcap.loadgen.guard import run_failure
 
-            outcome["stopped"] = stopped
-            outcome["failed"] = run_failure({**_as_dict(summary), **outcome})
-    for key, value in outcome.items():
-        if isinstance(summary, dict):
-            summary[key] = value
-        else:
-            setattr(summary, key, value)
+        summary.stopped = stopped
+        summary.failed = run_failure(summary.to_json())
 
 
 def _as_dict(summary: Summary | dict[str, Any]) -> dict[str, Any]:

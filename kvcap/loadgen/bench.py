@@ -23,7 +23,8 @@ from kvcap.loadgen.preflight import probe_server
 from kvcap.loadgen.runner import LoadPlan, NoProgress, Progress, Runner, make_session
 from kvcap.loadgen.share import make_factory, merge_level_infos, share_runner
 from kvcap.rundir import SUMMARY, Manifest, RunDir, RunWriter, write_json_atomic
-from kvcap.rundir.summary import Summary
+from kvcap.rundir.levels import StopReason
+from kvcap.rundir.summary import ClientTotals, LostWorker, PrometheusPull, Summary
 from kvcap.specs.lengths import LengthDist
 from kvcap.telemetry.scrape import MetricsSampler
 from kvcap.workload.prompts import PromptFactory, TokenCounter
@@ -186,14 +187,14 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
         writer.close()
     summary = build_summary(RunDir(cfg.out), slo=cfg.slo, write_copies=True)
     if prom:
-        summary.prometheus = prom
+        summary.prometheus = PrometheusPull.model_validate(prom)
     summary.interrupted = interrupted
-    summary.stopped = stopped
+    summary.stopped = None if stopped is None else StopReason.model_validate(stopped)
     summary.failed = run_failure(summary.to_json())
-    summary.client = _client_summary(client_stats)
+    summary.client = ClientTotals.model_validate(_client_summary(client_stats))
     summary.telemetry_samples = sampler.samples
     if pool is not None:
-        summary.lost_workers = pool.lost_workers()
+        summary.lost_workers = [LostWorker.model_validate(w) for w in pool.lost_workers()]
         summary.warnings = [*summary.warnings, *pool.warnings()]
     write_json_atomic(cfg.out / SUMMARY, summary.to_json())
     return summary

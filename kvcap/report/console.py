@@ -157,7 +157,7 @@ def render_levels(summary: Summary, console: Console | None = None, title: str =
                   + (f" · limited by {cap.limited_by}" if cap.limited_by else ""))
     for d in summary.diagnosis:
         con.print(f"bounded by [bold]{d.bound}[/bold] — {d.evidence}. → {d.direction}")
-    for w in (summary.client or {}).get("warnings", []):
+    for w in summary.client.warnings if summary.client is not None else []:
         con.print(f"[yellow]! {w}[/yellow]")
     if summary.interrupted:
         con.print("[yellow]interrupted: the summary covers the requests that finished[/yellow]")

@@ -101,7 +101,7 @@ def run_notes(summary: Summary) -> list[str]:
     if summary.failed:
         notes.append(f"run failed: {summary.failed}")
     elif summary.stopped is not None:
-        notes.append(f"run stopped: {summary.stopped.get('reason')}")
+        notes.append(f"run stopped: {summary.stopped.reason}")
     if summary.interrupted:
         notes.append(INTERRUPTED)
     return notes

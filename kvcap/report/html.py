@@ -167,8 +167,8 @@ def render_html(result: Comparison, runs: dict[str, RunDir] | None = None, title
     arms = [Arm(labels[arm], ARM_COLOURS[arm], summaries[arm], rd.get(arm)) for arm in ARMS]
     warnings = list(result.warnings)
     for arm in ARMS:
-        for w in (summaries[arm].client or {}).get("warnings", []) or []:
-            warnings.append(f"{arm}: {w}")
+        client = summaries[arm].client
+        warnings += [f"{arm}: {w}" for w in (client.warnings if client is not None else [])]
         warnings += [f"{arm}: {note}" for note in run_notes(summaries[arm])]
     body = [
         _verdict_box(result),
@@ -192,7 +192,7 @@ def render_html_single(summary: Summary, run: RunDir | None = None, title: str =
     manifest = run.manifest if run is not None else None
     label = str(summary.arm or (manifest.arm if manifest is not None else None) or "run")
     arm = Arm(label, SINGLE_COLOUR, summary, run)
-    warnings = [*((summary.client or {}).get("warnings") or []), *run_notes(summary)]
+    warnings = [*(summary.client.warnings if summary.client is not None else []), *run_notes(summary)]
     body = [
         '<h2 id="capacity">Capacity and goodput</h2>', single_key_numbers(summary),
         *_evidence([arm], summary.slo,

@@ -127,5 +127,6 @@ def render_markdown_single(summary: Summary) -> str:
         out += ["", *_table(["level", "tok/s", "goodput", "TTFT p95 ms", "TPOT p95 ms", "SLO"], rows,
                             right=[False, True, True, True, True, False])]
     out += _bullets("Diagnosis", [_finding(f) for f in summary.diagnosis])
-    out += _bullets("Warnings", [*((summary.client or {}).get("warnings") or []), *run_notes(summary)])
+    client = summary.client.warnings if summary.client is not None else []
+    out += _bullets("Warnings", [*client, *run_notes(summary)])
     return "\n".join(out) + "\n"

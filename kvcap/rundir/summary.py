@@ -7,10 +7,9 @@ command knew (``interrupted``, ``sim``, ``client``...); every reader gets the sa
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
+from kvcap.rundir.levels import StopReason
 from kvcap.rundir.model import Number, RunModel
 
 
@@ -224,6 +223,34 @@ class SimTotals(RunModel):
     plan_resident: dict[str, int] = Field(description="the plan's resident requests per KV tier")
 
 
+class ClientTotals(RunModel):
+    """bench: the load generator's health over the whole run (the worst of its workers)."""
+
+    loop_lag_p99_ms_max: Number | None = Field(default=None, description="event-loop lag p99, the worst worker's "
+                                                                          "(ms)")
+    loop_lag_max_ms: Number | None = Field(default=None, description="event-loop lag, max (ms)")
+    cpu_fraction_max: Number | None = Field(default=None, description="CPU time / wall time, the busiest worker's")
+    warnings: list[str] = Field(default_factory=list, description="what may have limited the client")
+
+
+class PrometheusPull(RunModel):
+    """bench --prometheus: the run's window pulled from Prometheus into telemetry.jsonl."""
+
+    url: str | None = Field(description="the Prometheus server")
+    rows: int = Field(description="telemetry rows written")
+    series: int | None = Field(default=None, description="distinct series among them")
+    error: str | None = Field(default=None, description="why the pull failed (then rows is 0)")
+
+
+class LostWorker(RunModel):
+    """bench --ray: a worker lost during the run (its requests in flight written as cancelled)."""
+
+    worker: int = Field(description="the worker")
+    host: str | None = Field(description="its host")
+    node_id: str | None = Field(description="its Ray node")
+    reason: str = Field(description="why it was lost")
+
+
 class Summary(RunModel):
     """``summary.json``."""
 
@@ -237,16 +264,12 @@ class Summary(RunModel):
     diagnosis: list[Finding] = Field(default_factory=list, description="what bounds the run")
     warnings: list[str] = Field(default_factory=list, description="what the reader must know (input lengths, "
                                                                   "clock offsets)")
-    prometheus: dict[str, Any] | None = Field(default=None, description="bench: the Prometheus pull (url, rows, series "
-                                                                "or error)")
+    prometheus: PrometheusPull | None = Field(default=None, description="bench: the Prometheus pull")
     interrupted: bool | None = Field(default=None, description="bench/sim: the run was interrupted (Ctrl-C)")
-    stopped: dict[str, Any] | None = Field(default=None, description="bench: where the error rule stopped the sweep "
-                                                             "(mode, level, repeat, reason)")
+    stopped: StopReason | None = Field(default=None, description="bench: where the error rule stopped the sweep")
     failed: str | None = Field(default=None, description="bench: why the run failed as a whole, or None")
-    client: dict[str, Any] | None = Field(default=None, description="bench: the load generator's loop lag (ms), CPU "
-                                                            "fraction and warnings")
+    client: ClientTotals | None = Field(default=None, description="bench: the load generator's loop lag, CPU "
+                                                                  "fraction and warnings")
     telemetry_samples: int | None = Field(default=None, description="bench: telemetry samples taken")
-    lost_workers: list[dict[str, Any]] | None = Field(default=None,
-                                                      description="bench --ray: workers lost (worker, host, "
-                                                                  "node_id, reason)")
+    lost_workers: list[LostWorker] | None = Field(default=None, description="bench --ray: workers lost")
     sim: SimTotals | None = Field(default=None, description="sim: the engine's totals")
