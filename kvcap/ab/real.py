@@ -9,7 +9,6 @@ import json
 import shlex
 import time
 from pathlib import Path
-from typing import Any
 
 from kvcap import procs
 from kvcap.ab.experiment import ArmSpec, Experiment
@@ -19,6 +18,7 @@ from kvcap.loadgen.bench import BenchConfig, run_bench
 from kvcap.loadgen.client import Target
 from kvcap.loadgen.runner import Progress
 from kvcap.rundir import MANIFEST, write_json_atomic
+from kvcap.rundir.compare import Comparison, ScheduledRepeat
 from kvcap.units import parse_duration
 from kvcap.workload.loadplan import LoadPlan
 
@@ -68,13 +68,13 @@ def _bench_config(exp: Experiment, arm: ArmSpec, out: Path, repeat: int, origin:
 
 
 async def run_experiment(exp: Experiment, out: Path, progress: Progress | None = None,
-                         stop: asyncio.Event | None = None) -> dict[str, Any]:
+                         stop: asyncio.Event | None = None) -> Comparison:
     """Interleaved repeats, then the comparison (``compare.json``) — the report is written by the caller."""
     from kvcap.analysis.verdict import compare
 
     out.mkdir(parents=True, exist_ok=True)
     origin = time.perf_counter()
-    order: list[dict[str, Any]] = []
+    order: list[ScheduledRepeat] = []
     for repeat in range(exp.load.repeats):
         for arm in exp.arms:
             if stop is not None and stop.is_set():
@@ -86,9 +86,9 @@ async def run_experiment(exp: Experiment, out: Path, progress: Progress | None =
                     summary = await run_bench(cfg, progress, stop)
             else:
                 summary = await run_bench(cfg, progress, stop)
-            order.append({"arm": arm.name, "repeat": repeat, "started_at": t0, "ended_at": time.time()})
-            if summary.get("failed"):  # a broken arm makes no comparison: stop here, its records kept
-                raise EndpointError(f"arm {arm.name}, repeat {repeat}: {summary['failed']}")
+            order.append(ScheduledRepeat(arm=arm.name, repeat=repeat, started_at=t0, ended_at=time.time()))
+            if summary.failed:  # a broken arm makes no comparison: stop here, its records kept
+                raise EndpointError(f"arm {arm.name}, repeat {repeat}: {summary.failed}")
     for arm in exp.arms:
         mpath = out / arm.name / MANIFEST
         if mpath.exists():
@@ -97,6 +97,6 @@ async def run_experiment(exp: Experiment, out: Path, progress: Progress | None =
             m["experiment"] = exp.name
             write_json_atomic(mpath, m)
     result = compare(str(out / exp.arms[0].name), str(out / exp.arms[1].name), slo=parse_slo(exp.slo))
-    result["schedule"] = order
-    write_json_atomic(out / "compare.json", {k: v for k, v in result.items() if k != "summaries"})
+    result.schedule = order
+    write_json_atomic(out / "compare.json", result.to_json())
     return result

@@ -10,11 +10,12 @@ from typing import Any
 from kvcap.ab.experiment import SimExperiment
 from kvcap.analysis.slo import parse_slo
 from kvcap.rundir import write_json_atomic
+from kvcap.rundir.compare import Comparison
 from kvcap.workload.loadplan import LoadPlan
 
 
 def run_sim_experiment(exp: SimExperiment, out: Path, overrides: dict[str, Any] | None = None,
-                       progress: Any = None) -> dict[str, Any]:
+                       progress: Any = None) -> Comparison:
     """Both arms through the simulator (each from an empty cluster, so interleaving has nothing to cancel),
     then the comparison (``compare.json``)."""
     from kvcap.analysis.verdict import compare
@@ -32,5 +33,5 @@ def run_sim_experiment(exp: SimExperiment, out: Path, overrides: dict[str, Any] 
                         under_test=under_test, overwrite=True, notes=notes)
         run_sim(cfg, progress=(lambda info, name=arm.name: progress(name, info)) if progress else None)
     result = compare(str(out / exp.arms[0].name), str(out / exp.arms[1].name), slo=slo)
-    write_json_atomic(out / "compare.json", {k: v for k, v in result.items() if k != "summaries"})
+    write_json_atomic(out / "compare.json", result.to_json())
     return result

@@ -23,7 +23,7 @@ def _p(lv: LevelSummary, metric: str, q: str = "p50") -> float | None:
 
 def diagnose(summary_levels: list[LevelSummary], arm: str = "run") -> list[Finding]:
     """Findings (arm, bound, evidence, direction) for one run's summary levels (bench or sim alike)."""
-    levels = sorted([lv for lv in summary_levels if lv.ok > 0], key=lambda x: x.level)
+    levels = sorted([lv for lv in summary_levels if (lv.ok or 0) > 0], key=lambda x: x.level)
     out: list[Finding] = []
     if len(levels) < 2:
         return _imbalance(levels, arm) + _link(levels, arm)

@@ -20,7 +20,7 @@ TOLERANCE = 0.05
 def levels_input_mean(levels: Iterable[LevelSummary]) -> float | None:
     """Mean input tokens of the measured requests that succeeded, from a summary's levels (each level's
     ``input_tokens_mean`` weighted by its ``ok``); None without any."""
-    pairs = [(lv.input_tokens_mean, lv.ok) for lv in levels if lv.input_tokens_mean is not None]
+    pairs = [(lv.input_tokens_mean, lv.ok or 0) for lv in levels if lv.input_tokens_mean is not None]
     n = sum(k for _, k in pairs)
     return round(sum(m * k for m, k in pairs) / n, 2) if n else None
 

@@ -79,7 +79,7 @@ class Telemetry:
                     i = ids.get(key)
                     if i is None:
                         i = ids[key] = len(cols)
-                        self.meta.append((key[0], key[1], labels))
+                        self.meta.append((str(source), str(name), labels))
                         cols.append(([], [], []))
                         done.append([])
                     seen[fast] = i
@@ -120,7 +120,8 @@ class Telemetry:
                 order = np.argsort(rid, kind="stable")
                 for rows in np.split(order, np.flatnonzero(np.diff(rid[order])) + 1):
                     if rows.size:
-                        done[int(rid[rows[0]])].append(tuple(arrays[k][rows] for k in ("t", "value", "hold")))
+                        done[int(rid[rows[0]])].append((arrays["t"][rows], arrays["value"][rows],
+                                                        arrays["hold"][rows]))
         obj._finish(done, dedupe)
         return obj
 

@@ -96,7 +96,7 @@ def _slices(path: Path, series: list[Series], order: np.ndarray, t_first: float,
     lo, hi = t_first, t_first + slice_s
     parts: list[tuple[np.ndarray, ...]] = []
     for c in stored[1]:
-        arrays = (c["series"].astype(np.int64), c["t"], c["value"], c["hold"])
+        arrays: tuple[np.ndarray, ...] = (c["series"].astype(np.int64), c["t"], c["value"], c["hold"])
         while arrays[1].size and arrays[1][-1] >= hi:
             cut = int(np.searchsorted(arrays[1], hi, "left"))
             parts.append(tuple(a[:cut] for a in arrays))

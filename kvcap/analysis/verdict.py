@@ -17,7 +17,17 @@ from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
 from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
-from kvcap.rundir.compare import ArmResult, Comparison, GoodputGain
+from kvcap.rundir.compare import (
+    ArmInputLengths,
+    ArmResult,
+    ArmSummaries,
+    Comparison,
+    Difference,
+    FixedVariables,
+    GoodputGain,
+    InputLengths,
+    LevelPair,
+)
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.store.column_reader import read_columns
 from kvcap.rundir.store.columns import Key
@@ -73,7 +83,7 @@ def _same(key: str, a: Any, b: Any) -> bool:
 
 
 def same_caliber(control: Manifest | None, treatment: Manifest | None, allow: set[str],
-                 measured: Mapping[str, tuple[Any, Any]] | None = None) -> dict[str, Any]:
+                 measured: Mapping[str, tuple[Any, Any]] | None = None) -> FixedVariables:
     """Every fixed variable must match except those under test or explicitly allowed, and the keys derived from
     those (:data:`DERIVED`); ``measured`` adds figures from the records, ``{key: (control, treatment)}``."""
     fc = dict(control.fixed) if control is not None else {}
@@ -96,28 +106,28 @@ def same_caliber(control: Manifest | None, treatment: Manifest | None, allow: se
     def tolerated(key: str) -> bool:
         return key in accepted or any(differs(src) and tolerated(src) for src in DERIVED.get(key, ()))
 
-    diffs: list[dict[str, Any]] = []
-    allowed: list[dict[str, Any]] = []
+    diffs: list[Difference] = []
+    allowed: list[Difference] = []
     for key in sorted(set(fc) | set(ft)):
         if key in NOT_FIXED or by_digest(key):  # a file with digests on both sides: its digest key says it
             continue
         a, b = fc.get(key), ft.get(key)
         if differs(key):
-            item: dict[str, Any] = {"key": key, "control": a, "treatment": b}
+            item = Difference(key=key, control=a, treatment=b)
             if key in WITHIN_TOLERANCE:
-                item["tolerance"] = TOLERANCE
+                item.tolerance = TOLERANCE
             (allowed if tolerated(key) else diffs).append(item)
-    return {"equal": not diffs, "differences": diffs, "allowed_differences": allowed,
-            "under_test": sorted(under_test)}
+    return FixedVariables(equal=not diffs, differences=diffs, allowed_differences=allowed,
+                          under_test=sorted(under_test))
 
 
-def input_lengths(manifest: Manifest | None, summary: Summary) -> dict[str, Any]:
+def input_lengths(manifest: Manifest | None, summary: Summary) -> InputLengths:
     """One arm's input lengths: asked (mean of the spec), measured before the run (manifest) and by its records."""
     fixed = manifest.fixed if manifest is not None else {}
     server = manifest.server if manifest is not None else {}
-    return {"asked_mean": asked_mean(manifest), "calibrated_mean": fixed.get("workload.input_tokens_measured"),
-            "records_mean": levels_input_mean(summary.levels),
-            "method": (server.get("input_lengths") or {}).get("method")}
+    return InputLengths(asked_mean=asked_mean(manifest), calibrated_mean=fixed.get("workload.input_tokens_measured"),
+                        records_mean=levels_input_mean(summary.levels),
+                        method=(server.get("input_lengths") or {}).get("method"))
 
 
 class _KeptColumns:
@@ -177,17 +187,17 @@ def _boot(samples: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
 
 
 def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None = None,
-            allow: set[str] | None = None, seed: int = 0) -> dict[str, Any]:
-    """``compare.json``'s content (checked against :class:`~kvcap.rundir.compare.Comparison`) and, under
-    ``summaries``, the two arms' :class:`~kvcap.rundir.summary.Summary` (for the reports)."""
+            allow: set[str] | None = None, seed: int = 0) -> Comparison:
+    """``compare.json``'s content (``to_json``) with, under ``summaries`` (not written), the two arms'
+    :class:`~kvcap.rundir.summary.Summary` (for the reports)."""
     rc, rt = RunDir(control_dir), RunDir(treatment_dir)
     mc, mt = rc.manifest, rt.manifest
     slo = slo if slo is not None else (rc.slo or rt.slo)
     kc, kt = _KeptColumns(), _KeptColumns()
     sc, st = build_summary(rc, slo, reader=kc), build_summary(rt, slo, reader=kt)
-    lengths = {"control": input_lengths(mc, sc), "treatment": input_lengths(mt, st)}
+    lengths = ArmInputLengths(control=input_lengths(mc, sc), treatment=input_lengths(mt, st))
     caliber = same_caliber(mc, mt, allow or set(), measured={
-        MEASURED_INPUT: (lengths["control"]["records_mean"], lengths["treatment"]["records_mean"])})
+        MEASURED_INPUT: (lengths.control.records_mean, lengths.treatment.records_mean)})
     rng = np.random.default_rng(seed)
     gc, gt = _good_tokens(kc, slo), _good_tokens(kt, slo)
     arms: dict[str, ArmResult] = {}
@@ -220,14 +230,14 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     elif took_effect is None:
         warnings.append("no server telemetry in these runs (bench --metrics-url): cannot tell whether the treatment "
                         "took effect")
-    if not caliber["equal"]:
-        warnings.append("fixed variables differ: " + ", ".join(d["key"] for d in caliber["differences"]))
-    comparison = Comparison.model_validate({
-        "verdict": verdict, "control": control, "treatment": treatment, "goodput_gain": gain,
-        "efficiency": efficiency, "fixed_variables": caliber, "input_lengths": lengths, "slo": slo,
-        "per_level": per_level, "treatment_took_effect": took_effect, "warnings": warnings,
-        "diagnosis": diagnose(sc.levels, "control") + diagnose(st.levels, "treatment")})
-    return {**comparison.to_json(), "summaries": {"control": sc, "treatment": st}}
+    if not caliber.equal:
+        warnings.append("fixed variables differ: " + ", ".join(d.key for d in caliber.differences))
+    comparison = Comparison(verdict=verdict, control=control, treatment=treatment, goodput_gain=gain,
+                            efficiency=efficiency, fixed_variables=caliber, input_lengths=lengths, slo=slo,
+                            per_level=per_level, treatment_took_effect=took_effect, warnings=warnings,
+                            diagnosis=diagnose(sc.levels, "control") + diagnose(st.levels, "treatment"))
+    comparison.summaries = ArmSummaries(control=sc, treatment=st)
+    return comparison
 
 
 def decide(c: ArmResult, t: ArmResult, lo: float, hi: float) -> str:
@@ -244,7 +254,7 @@ def decide(c: ArmResult, t: ArmResult, lo: float, hi: float) -> str:
 
 
 def _per_level(sc: Summary, st: Summary, gc: dict[float, list[np.ndarray]], gt: dict[float, list[np.ndarray]],
-               rng: np.random.Generator) -> list[dict[str, Any]]:
+               rng: np.random.Generator) -> list[LevelPair]:
     tl = {lv.level: lv for lv in st.levels}
     out = []
     for lc in sc.levels:
@@ -254,15 +264,15 @@ def _per_level(sc: Summary, st: Summary, gc: dict[float, list[np.ndarray]], gt: 
         level = float(lc.level)
         d = _boot(gt.get(level, [np.zeros(1)]), rng) - _boot(gc.get(level, [np.zeros(1)]), rng)
         lo, hi = np.percentile(d, [2.5, 97.5])
-        out.append({"level": lc.level, "mode": lc.mode,
-                    "output_tok_s": [lc.output_tok_s, lt.output_tok_s],
-                    "goodput_tok_s": [lc.goodput_tok_s, lt.goodput_tok_s],
-                    "goodput_delta_ci95": [round(float(lo), 3), round(float(hi), 3)],
-                    "ttft_p95_ms": [lc.ttft_ms.p95, lt.ttft_ms.p95],
-                    "tpot_p95_ms": [lc.tpot_ms.p95, lt.tpot_ms.p95],
-                    "slo_ok": [lc.slo_ok, lt.slo_ok],
-                    "server_running_max": [lc.server_running_max, lt.server_running_max],
-                    "server_parked_max": [lc.server_parked_max, lt.server_parked_max]})
+        out.append(LevelPair(level=lc.level, mode=lc.mode,
+                             output_tok_s=[lc.output_tok_s, lt.output_tok_s],
+                             goodput_tok_s=[lc.goodput_tok_s, lt.goodput_tok_s],
+                             goodput_delta_ci95=[round(float(lo), 3), round(float(hi), 3)],
+                             ttft_p95_ms=[lc.ttft_ms.p95, lt.ttft_ms.p95],
+                             tpot_p95_ms=[lc.tpot_ms.p95, lt.tpot_ms.p95],
+                             slo_ok=[lc.slo_ok, lt.slo_ok],
+                             server_running_max=[lc.server_running_max, lt.server_running_max],
+                             server_parked_max=[lc.server_parked_max, lt.server_parked_max]))
     return out
 
 

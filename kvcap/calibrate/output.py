@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from kvcap.calibrate.simulate import (
     serving_section,
 )
 from kvcap.report.console import make_console
+from kvcap.specs.calibration import CalibrationSection
 from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import build_scenario
 
@@ -79,9 +81,11 @@ def table_rows(obs: list[Observation], simulated: dict[tuple[str, str, float], O
 
 
 def calibration_section(runs: list[str], result: Fit, engine: str, kv_source: str, rows: list[dict[str, Any]],
-                        fit_error: dict[str, Any], holdout_error: dict[str, Any] | None) -> dict[str, Any]:
+                        fit_error: dict[str, float | None], holdout_error: dict[str, float | None] | None,
+                        profile: Profiled) -> CalibrationSection:
+    """The scenario's ``calibration:`` section: the fit, its table and what the profile covered."""
     cost = dict(zip(COST_KEYS, cost_vector(result.cost), strict=True))
-    return {
+    data: dict[str, Any] = {
         "source_runs": runs, "engine": engine,
         "coefficients": {k: {"value_s": v, "stderr_s": result.stderr.get(k)} for k, v in cost.items()},
         "stderr_of": "the closed-form least squares on TPOT p50 (relative residuals), before the refinement",
@@ -89,7 +93,24 @@ def calibration_section(runs: list[str], result: Fit, engine: str, kv_source: st
         "fit": {"method": "closed-form least squares, refined by Nelder-Mead through the simulator",
                 "converged": result.converged, "simulator_runs": result.evaluations,
                 "rms_relative_error": round(result.rms_error or 0.0, 5), "notes": result.notes},
-        "fit_error_pct": fit_error, "holdout_error_pct": holdout_error, "table": rows}
+        "fit_error_pct": fit_error, "holdout_error_pct": holdout_error, "table": rows,
+        "warnings": profile.warnings, "limits": profile.limits, "profiled_input_tokens": profile.input_tokens,
+        "profiled_batch": profile.batch}
+    if profile.waiting is not None:
+        data["profiled_waiting"] = profile.waiting
+    return CalibrationSection.model_validate(data)
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """What the profile covered and missed, for the section: misfit warnings, limits and the [least, most] spans
+    (``waiting``: llama.cpp's only)."""
+
+    warnings: list[str]
+    limits: list[str]
+    input_tokens: list[int]
+    batch: list[int]
+    waiting: list[int] | None = None
 
 
 def measured_load(obs: list[Observation], tpot_s: float) -> dict[str, Any]:
@@ -123,10 +144,10 @@ def pooled_length(means: list[float], shapes: list[str | None]) -> int | str:
     return f"{dists[0].kind}:{mean:.1f},{var ** 0.5:.1f}" + (f",{cap}" if cap < 1_000_000 else "")
 
 
-def write_scenario(path: Path, base: dict[str, Any], calibration: dict[str, Any], name: str) -> dict[str, Any]:
+def write_scenario(path: Path, base: dict[str, Any], calibration: CalibrationSection, name: str) -> dict[str, Any]:
     """Validate as ``kvcap sim`` would read it, then write; returns the data written."""
-    data = {"name": name, "description": "fitted by kvcap calibrate from " + ", ".join(calibration["source_runs"]),
-            **base, "calibration": calibration}
+    data = {"name": name, "description": "fitted by kvcap calibrate from " + ", ".join(calibration.source_runs or []),
+            **base, "calibration": calibration.model_dump()}
     build_scenario(data, "calibrated scenario")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True))
@@ -158,10 +179,10 @@ PROFILED_SPAN = 1.5
 """A what-if's mean prompt more than this factor outside the calibrated prompt lengths is called an extrapolation."""
 
 
-def extrapolation(calibration: dict[str, Any] | None, input_mean: float) -> str | None:
+def extrapolation(calibration: CalibrationSection | None, input_mean: float) -> str | None:
     """The note ``kvcap sim`` prints when a calibrated scenario is asked about prompts well outside the lengths it
     was fitted on: the prefill's cost per token, and how prompts share a step, were measured only there."""
-    span = (calibration or {}).get("profiled_input_tokens")
+    span = calibration.profiled_input_tokens if calibration is not None else None
     if not span:
         return None
     lo, hi = span
@@ -172,21 +193,21 @@ def extrapolation(calibration: dict[str, Any] | None, input_mean: float) -> str 
             "extrapolates the fitted prefill cost (see the scenario's calibration.limits)")
 
 
-def batch_extrapolation(calibration: dict[str, Any] | None, peak: int) -> str | None:
+def batch_extrapolation(calibration: CalibrationSection | None, peak: int) -> str | None:
     """The note ``kvcap sim`` prints when a calibrated scenario ran far more sequences at once than the profile
     did: the step's cost per sequence was measured only up to there, and real steps bend past it (the roofline's
     flat part ends), so a line fitted on small batches may not hold at large ones."""
-    span = (calibration or {}).get("profiled_batch")
+    span = calibration.profiled_batch if calibration is not None else None
     if not span or peak <= span[1] * PROFILED_SPAN:
         return None
     return (f"up to {peak} sequences ran at once on a scenario calibrated at up to {span[1]}: this prediction "
             "extrapolates the fitted step line (profile at the batch you will ask about)")
 
 
-def queue_extrapolation(calibration: dict[str, Any] | None, waiting_peak: float) -> str | None:
+def queue_extrapolation(calibration: CalibrationSection | None, waiting_peak: float) -> str | None:
     """The note ``kvcap sim`` prints when requests waited for a slot past what the profile queued, on a scenario
     whose profile recorded its queue (``profiled_waiting``: llama.cpp, whose steps slow as requests wait)."""
-    span = (calibration or {}).get("profiled_waiting")
+    span = calibration.profiled_waiting if calibration is not None else None
     if not span or waiting_peak <= max(1.0, span[1] * PROFILED_SPAN):
         return None
     if span[1] < 1:

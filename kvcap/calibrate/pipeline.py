@@ -14,6 +14,7 @@ from kvcap.calibrate.closed_form import DEFAULT_BUDGET, batch, load_of, waiting_
 from kvcap.calibrate.fit import MAX_EVALS, Simulator, fit, summary_errors
 from kvcap.calibrate.observe import Observation, observe
 from kvcap.calibrate.output import (
+    Profiled,
     base_scenario,
     calibration_section,
     engine_of,
@@ -95,28 +96,30 @@ def calibrate(runs: list[str], out: Path, engine: str | None = None, holdout: tu
     rows = table_rows(obs, simulated, {key(o) for o in held})
     fit_error = summary_errors([r for r in rows if not r["held_out"]])
     holdout_error = summary_errors([r for r in rows if r["held_out"]]) if held else None
-    section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error)
-    section["warnings"] = misfits(rows)
     floor = partial(prefill_floor_s, build_scenario(base, "calibrated scenario")) if model and gpu else None
-    section["limits"] = limits(fitted, DEFAULT_BUDGET if budget is None else None, floor)
-    section["profiled_input_tokens"] = [round(min(o.input_tokens for o in fitted)),
-                                        round(max(o.input_tokens for o in fitted))]
+    cannot = limits(fitted, DEFAULT_BUDGET if budget is None else None, floor)
+    waiting: list[int] | None = None
     if profile == "llamacpp":  # its steps slow as requests wait: what the profile queued bounds what it can say
         queued = [waiting_at_server(o, result.slots) for o in fitted]
-        section["profiled_waiting"] = [round(min(queued)), round(max(queued))]
+        waiting = [round(min(queued)), round(max(queued))]
         if max(queued) < 0.5:
-            section["limits"].append(
+            cannot.append(
                 f"no fitted level queued requests for the {result.slots} slots: llama.cpp's steps slow as requests "
                 "wait (it wakes every waiting connection for each result it sends: step_cost.per_waiting), so "
                 "predictions past the slots assume a queue costs nothing; profile one level at 4-8x the slots "
                 f"(e.g. --concurrency {8 * result.slots})")
-    section["profiled_batch"] = [round(min(batch(o, result.slots) for o in fitted)),
-                                 round(max(batch(o, result.slots) for o in fitted))]
-    write_scenario(out, {**base, **measured_load(obs, hint)}, section, name=f"calibrated-{Path(runs[0]).name}")
+    covered = Profiled(warnings=misfits(rows), limits=cannot,
+                       input_tokens=[round(min(o.input_tokens for o in fitted)),
+                                     round(max(o.input_tokens for o in fitted))],
+                       batch=[round(min(batch(o, result.slots) for o in fitted)),
+                              round(max(batch(o, result.slots) for o in fitted))], waiting=waiting)
+    section = calibration_section(runs, result, profile, kv_source, rows, fit_error, holdout_error, covered)
+    written = write_scenario(out, {**base, **measured_load(obs, hint)}, section,
+                             name=f"calibrated-{Path(runs[0]).name}")["calibration"]
     return {"scenario": str(out), "engine": profile, "slots": result.slots, "slots_source": result.slots_source,
-            "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": section["coefficients"],
-            "fit": section["fit"], "table": rows, "fit_error": fit_error, "holdout_error": holdout_error,
-            "warnings": section["warnings"], "limits": section["limits"]}
+            "kv_tokens": base["serving"].get("kv_tokens"), "step_cost": written["coefficients"],
+            "fit": written["fit"], "table": rows, "fit_error": fit_error, "holdout_error": holdout_error,
+            "warnings": covered.warnings, "limits": covered.limits}
 
 
 MISFIT_PCT = 25.0

@@ -12,11 +12,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcap.cli import common
 from kvcap.cli.sim import level_line
 from kvcap.errors import InputError
+
+if TYPE_CHECKING:
+    from kvcap.rundir.compare import Comparison
 
 AB_EXAMPLES = """
 examples:
@@ -104,7 +107,7 @@ def _real_experiment(path: str, sets: list[str] | None) -> Any:
     return exp
 
 
-async def _run_real_ab(exp: Any, out: Path, quiet: bool) -> dict:
+async def _run_real_ab(exp: Any, out: Path, quiet: bool) -> Comparison:
     import asyncio
 
     from kvcap.ab.real import run_experiment
@@ -129,7 +132,7 @@ def run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, qu
     return 0
 
 
-def _write_and_show(result: dict, out: Path, as_json: bool, footer: Callable[[], str]) -> None:
+def _write_and_show(result: Comparison, out: Path, as_json: bool, footer: Callable[[], str]) -> None:
     """Writes the report, then prints compare.json, or the side-by-side table and `footer()` under it."""
     from kvcap.report.console import render_compare
 
@@ -141,12 +144,12 @@ def _write_and_show(result: dict, out: Path, as_json: bool, footer: Callable[[],
         print(footer())
 
 
-def _write_report(result: dict, out: Path) -> None:
+def _write_report(result: Comparison, out: Path) -> None:
     from kvcap.report.html import write_html
     from kvcap.report.markdown import render_markdown
     from kvcap.rundir import RunDir
 
-    arms = [result["control"]["arm"], result["treatment"]["arm"]]
+    arms = [result.control.arm, result.treatment.arm]
     runs = {"control": RunDir(out / arms[0]), "treatment": RunDir(out / arms[1])}
     write_html(out / "report.html", result, runs)
     (out / "report.md").write_text(render_markdown(result))

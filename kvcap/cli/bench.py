@@ -260,7 +260,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     _check_local_inputs(cfg)
     summary = asyncio.run(_bench_until_stopped(cfg, quiet=a.quiet or a.json))
     if a.json:
-        common.print_json(summary)
+        common.print_json(summary.to_json())
     else:
         render_levels(summary, title=f"kvcap bench → {cfg.out}")
     common.print_notes("bench", summary)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from kvcap.errors import InputError
 
 if TYPE_CHECKING:
+    from kvcap.rundir import RunDir
+    from kvcap.rundir.compare import Comparison
     from kvcap.rundir.summary import Summary
 
 Subparsers = argparse._SubParsersAction
@@ -148,9 +150,9 @@ def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2))
 
 
-def comparison_json(result: dict[str, Any]) -> dict[str, Any]:
+def comparison_json(result: Comparison) -> dict[str, Any]:
     """A comparison as compare.json holds it: without the two full summaries it carries."""
-    return {k: v for k, v in result.items() if k != "summaries"}
+    return result.to_json()
 
 
 def optional_slo(spec: str | None) -> Any:
@@ -191,26 +193,24 @@ OUTCOME_KEYS = ("interrupted", "stopped", "failed")
 """How a run ended, as only the recording command knew it (``bench``'s summary.json)."""
 
 
-def carry_outcome(summary: Summary | dict[str, Any], run: Any) -> None:
+def carry_outcome(summary: Summary, run: RunDir) -> None:
     """Into a freshly built ``summary``: how ``run`` ended — from its summary.json where the recording command
     wrote one, else from its level lines (a killed run has no summary: each line says ``stopped``/``interrupted``)."""
-    old = run.summary.to_json() if run.summary is not None else {}
-    outcome: dict[str, Any] = {key: old[key] for key in OUTCOME_KEYS if key in old}
-    if not outcome:
-        lines = [line.to_json() for line in run.levels()]
-        stopped = next((line["stopped"] for line in lines if line.get("stopped")), None)
-        if any(line.get("interrupted") for line in lines):
-            outcome["interrupted"] = True
-        if stopped:
-            from kvcap.loadgen.guard import run_failure
+    old = run.summary
+    kept = [key for key in OUTCOME_KEYS if old is not None and key in old.model_fields_set]
+    if old is not None and kept:
+        for key in kept:
+            setattr(summary, key, getattr(old, key))
+        return
+    lines = run.levels()
+    stopped = next((line.stopped for line in lines if line.stopped is not None), None)
+    if any(line.interrupted for line in lines):
+        summary.interrupted = True
+    if stopped is not None:
+        from kvcap.loadgen.guard import run_failure
 
-            outcome["stopped"] = stopped
-            outcome["failed"] = run_failure({**_as_dict(summary), **outcome})
-    for key, value in outcome.items():
-        if isinstance(summary, dict):
-            summary[key] = value
-        else:
-            setattr(summary, key, value)
+        summary.stopped = stopped
+        summary.failed = run_failure(summary.to_json())
 
 
 def _as_dict(summary: Summary | dict[str, Any]) -> dict[str, Any]:
@@ -229,12 +229,12 @@ def print_build_note(prog: str) -> None:
         print(f"kvcap {prog}: note: {note}", file=sys.stderr)
 
 
-def exit_status(summary: dict[str, Any]) -> int:
+def exit_status(summary: Summary) -> int:
     """130 (as after Ctrl-C) when the run was interrupted; 1 when it failed as a whole (``summary["failed"]``:
     stopped by the error rule, or no request succeeded — the records are kept, the sweep is not a result); else 0."""
-    if summary.get("interrupted"):
+    if summary.interrupted:
         return 130
-    return 1 if summary.get("failed") else 0
+    return 1 if summary.failed else 0
 
 
 def on_stop_signals(callback: Callable[[], None]) -> None:

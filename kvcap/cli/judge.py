@@ -53,19 +53,19 @@ def cmd_analyze(a: argparse.Namespace) -> int:
 
     run = RunDir(a.dir)
     recorded = run.summary
-    old = recorded.to_json() if recorded is not None else {}
     # the column copies written where missing or stale (a run of an older version, copies deleted): the next
     # analyze, report or compare of a big run skips the JSON parse
-    summary = build_summary(run, slo=common.optional_slo(a.slo), write_copies=True).to_json()
-    for key in KEPT_SUMMARY_KEYS:
-        if key in old:
-            summary[key] = old[key]
+    summary = build_summary(run, slo=common.optional_slo(a.slo), write_copies=True)
+    if recorded is not None:
+        for key in KEPT_SUMMARY_KEYS:
+            if key in recorded.model_fields_set:
+                setattr(summary, key, getattr(recorded, key))
     common.carry_outcome(summary, run)  # a killed run (no old summary): its level lines say how it ended
-    fresh = summary.get("warnings") or []  # the run's own (e.g. Ray clock offsets) stay beside the recomputed
-    summary["warnings"] = [*fresh, *(w for w in old.get("warnings") or [] if w not in fresh)]
-    write_json_atomic(run.dir / SUMMARY, summary)
+    fresh = summary.warnings  # the run's own (e.g. Ray clock offsets) stay beside the recomputed
+    summary.warnings = [*fresh, *(w for w in (recorded.warnings if recorded is not None else []) if w not in fresh)]
+    write_json_atomic(run.dir / SUMMARY, summary.to_json())
     if a.json:
-        common.print_json(summary)
+        common.print_json(summary.to_json())
     else:
         render_levels(summary, title=f"kvcap analyze {a.dir}")
     common.print_notes("analyze", summary)
@@ -93,9 +93,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
     result = compare(a.control, a.treatment, slo=common.optional_slo(a.slo),
                      allow=common.allowed_differences(a.allow_diff))
-    if not result["fixed_variables"]["equal"]:
-        diffs = "; ".join(f"{d['key']}: {d['control']!r} vs {d['treatment']!r}"
-                          for d in result["fixed_variables"]["differences"])
+    if not result.fixed_variables.equal:
+        diffs = "; ".join(f"{d.key}: {d.control!r} vs {d.treatment!r}" for d in result.fixed_variables.differences)
         raise RefusedComparison(f"fixed variables differ — {diffs} (pass --allow-diff KEY to accept)")
     if a.json:
         common.print_json(common.comparison_json(result))

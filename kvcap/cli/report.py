@@ -89,11 +89,13 @@ def _report_pair(control: str, treatment: str, slo: Any, allow: set[str], out: P
     from kvcap.rundir import RunDir
 
     result = compare(control, treatment, slo=slo, allow=allow)
-    for warning in result["warnings"]:
+    for warning in result.warnings:
         print(f"kvcap report: warning: {warning}", file=sys.stderr)
+    assert result.summaries is not None  # compare keeps the summaries it built
     for arm, run_dir in (("control", control), ("treatment", treatment)):
-        common.carry_outcome(result["summaries"][arm], RunDir(run_dir))
-        common.print_notes("report", result["summaries"][arm], arm=arm, interrupted=True)
+        summary = getattr(result.summaries, arm)
+        common.carry_outcome(summary, RunDir(run_dir))
+        common.print_notes("report", summary, arm=arm, interrupted=True)
     write_html(out, result, {"control": RunDir(control), "treatment": RunDir(treatment)},
                title=f"kvcap: {control} vs {treatment}")
     out.with_suffix(".md").write_text(render_markdown(result))

@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcap.cli import common
 from kvcap.errors import InputError
+
+if TYPE_CHECKING:
+    from kvcap.rundir.summary import Summary
 
 SIM_EXAMPLES = """
 examples:
@@ -138,7 +141,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     cfg = _sim_config(a)
     summary = run_sim(cfg, progress=None if (a.quiet or a.json) else level_line())
     if a.json:
-        common.print_json(summary)
+        common.print_json(summary.to_json())
     else:
         render_levels(summary, title=f"kvcap sim → {cfg.out}")
         print(_speed_line(summary))
@@ -158,12 +161,14 @@ def cmd_sim(a: argparse.Namespace) -> int:
     return common.exit_status(summary)
 
 
-def _speed_line(summary: dict[str, Any]) -> str:
-    s = summary["sim"]
-    rt = f" ({s['realtime_factor']:,.0f}× real time)" if s.get("realtime_factor") else ""
-    return (f"{s['requests']:,} requests, {s['simulated_s']:,.0f} s simulated in {s['engine_wall_s']:.2f} s{rt}"
+def _speed_line(summary: Summary) -> str:
+    s = summary.sim
+    if s is None:
+        return ""
+    rt = f" ({s.realtime_factor:,.0f}× real time)" if s.realtime_factor else ""
+    return (f"{s.requests:,} requests, {s.simulated_s:,.0f} s simulated in {s.engine_wall_s:.2f} s{rt}"
             + (" — interrupted: the levels that finished and every finished request are kept"
-               if summary.get("interrupted") else ""))
+               if summary.interrupted else ""))
 
 
 # ---------------------------------------------------------------- serve-sim

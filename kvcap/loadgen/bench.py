@@ -23,6 +23,8 @@ from kvcap.loadgen.preflight import probe_server
 from kvcap.loadgen.runner import LoadPlan, NoProgress, Progress, Runner, make_session
 from kvcap.loadgen.share import make_factory, merge_level_infos, share_runner
 from kvcap.rundir import SUMMARY, Manifest, RunDir, RunWriter, write_json_atomic
+from kvcap.rundir.levels import StopReason
+from kvcap.rundir.summary import ClientTotals, LostWorker, PrometheusPull, Summary
 from kvcap.specs.lengths import LengthDist
 from kvcap.telemetry.scrape import MetricsSampler
 from kvcap.workload.prompts import PromptFactory, TokenCounter
@@ -115,7 +117,7 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
 
 
 async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: asyncio.Event | None = None,
-                    extra_sampler_urls: list[str] | None = None) -> dict[str, Any]:
+                    extra_sampler_urls: list[str] | None = None) -> Summary:
     """Run the whole sweep; returns the summary (also written to ``summary.json``)."""
     counter = TokenCounter(cfg.tokenizer)
     RunWriter.check_destination(cfg.out, cfg.overwrite, cfg.append)
@@ -183,18 +185,18 @@ async def run_bench(cfg: BenchConfig, progress: Progress | None = None, stop: as
         await session.close()
         prom = await _fetch_prometheus(cfg, writer, epoch_at_origin, started) if cfg.prometheus else {}
         writer.close()
-    summary = build_summary(RunDir(cfg.out), slo=cfg.slo, write_copies=True).to_json()
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo, write_copies=True)
     if prom:
-        summary["prometheus"] = prom
-    summary["interrupted"] = interrupted
-    summary["stopped"] = stopped
-    summary["failed"] = run_failure(summary)
-    summary["client"] = _client_summary(client_stats)
-    summary["telemetry_samples"] = sampler.samples
+        summary.prometheus = PrometheusPull.model_validate(prom)
+    summary.interrupted = interrupted
+    summary.stopped = None if stopped is None else StopReason.model_validate(stopped)
+    summary.failed = run_failure(summary.to_json())
+    summary.client = ClientTotals.model_validate(_client_summary(client_stats))
+    summary.telemetry_samples = sampler.samples
     if pool is not None:
-        summary["lost_workers"] = pool.lost_workers()
-        summary["warnings"] = [*(summary.get("warnings") or []), *pool.warnings()]
-    write_json_atomic(cfg.out / SUMMARY, summary)
+        summary.lost_workers = [LostWorker.model_validate(w) for w in pool.lost_workers()]
+        summary.warnings = [*summary.warnings, *pool.warnings()]
+    write_json_atomic(cfg.out / SUMMARY, summary.to_json())
     return summary
 
 

@@ -9,6 +9,8 @@ from rich.table import Table
 
 from kvcap.plan import PlanResult
 from kvcap.report.format import MODE_PREFIX
+from kvcap.rundir.compare import Comparison
+from kvcap.rundir.summary import Percentiles, Summary
 from kvcap.units import format_bandwidth, format_size
 
 
@@ -113,12 +115,12 @@ def _render_fit_options(r: PlanResult, con: Console) -> None:
     con.print(t)
 
 
-def _ms(d: dict[str, Any] | None, q: str) -> str:
-    v = (d or {}).get(q)
+def _ms(d: Percentiles, q: str) -> str:
+    v = getattr(d, q)
     return "–" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def render_levels(summary: dict[str, Any], console: Console | None = None, title: str = "Per-level results") -> None:
+def render_levels(summary: Summary, console: Console | None = None, title: str = "Per-level results") -> None:
     """One row per level: counts, throughput, TTFT/TPOT/ITL/E2E p50/p95/p99, queue, SLO verdict.
 
     On a narrow terminal (< 140 columns) only p50/p95 of TTFT, TPOT and E2E are shown (summary.json has them all).
@@ -133,58 +135,58 @@ def render_levels(summary: dict[str, Any], console: Console | None = None, title
     cols += ["queue p95", "SLO"] if wide else ["SLO"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("level", "SLO") else "right")
-    for lv in summary.get("levels", []):
-        mode = MODE_PREFIX.get(lv["mode"], lv["mode"])
-        level = f"{mode}={lv['level']:g}"
-        if lv.get("achieved_rate") is not None:
-            level += f" (got {lv['achieved_rate']:.2f}/s)"
-        trio = ["/".join(_ms(lv.get(f"{m}_ms"), q) for q in qs) for m in metrics]
-        slo = "–" if not summary.get("slo") else ("pass" if lv["slo_ok"] else "FAIL " + ",".join(lv["failed_checks"]))
-        row = [level, str(lv["requests"]), str(lv["ok"]), str(lv["errors"]), f"{lv['output_tok_s']:.1f}", *trio]
-        row += [_ms(lv.get("queue_ms"), "p95"), slo] if wide else [slo]
+    for lv in summary.levels:
+        mode = MODE_PREFIX.get(lv.mode, lv.mode)
+        level = f"{mode}={lv.level:g}"
+        if lv.achieved_rate is not None:
+            level += f" (got {lv.achieved_rate:.2f}/s)"
+        trio = ["/".join(_ms(getattr(lv, f"{m}_ms"), q) for q in qs) for m in metrics]
+        slo = "–" if not summary.slo else ("pass" if lv.slo_ok else "FAIL " + ",".join(lv.failed_checks))
+        row = [level, str(lv.requests), str(lv.ok), str(lv.errors), f"{lv.output_tok_s:.1f}", *trio]
+        row += [_ms(lv.queue_ms, "p95"), slo] if wide else [slo]
         t.add_row(*row)
     con.print(t)
-    errs = {k: v for lv in summary.get("levels", []) for k, v in lv.get("error_classes", {}).items()}
+    errs = {k: v for lv in summary.levels for k, v in lv.error_classes.items()}
     if errs:
         con.print("errors by class: " + ", ".join(f"{k} {v}" for k, v in sorted(errs.items())))
-    cap = summary.get("capacity") or {}
-    if summary.get("slo"):
-        con.print(f"effective capacity {cap.get('effective')} · stress limit {cap.get('stress_limit')} · resident "
-                  f"{cap.get('resident')}{'+ (lower bound)' if cap.get('resident_lower_bound') else ''} "
-                  f"({cap.get('resident_source') or 'no telemetry'})"
-                  + (f" · limited by {cap['limited_by']}" if cap.get("limited_by") else ""))
-    for d in summary.get("diagnosis", []):
-        con.print(f"bounded by [bold]{d['bound']}[/bold] — {d['evidence']}. → {d['direction']}")
-    for w in (summary.get("client") or {}).get("warnings", []):
+    cap = summary.capacity
+    if summary.slo:
+        con.print(f"effective capacity {cap.effective} · stress limit {cap.stress_limit} · resident "
+                  f"{cap.resident}{'+ (lower bound)' if cap.resident_lower_bound else ''} "
+                  f"({cap.resident_source or 'no telemetry'})"
+                  + (f" · limited by {cap.limited_by}" if cap.limited_by else ""))
+    for d in summary.diagnosis:
+        con.print(f"bounded by [bold]{d.bound}[/bold] — {d.evidence}. → {d.direction}")
+    for w in summary.client.warnings if summary.client is not None else []:
         con.print(f"[yellow]! {w}[/yellow]")
-    if summary.get("interrupted"):
+    if summary.interrupted:
         con.print("[yellow]interrupted: the summary covers the requests that finished[/yellow]")
 
 
-def render_compare(result: dict[str, Any], console: Console | None = None) -> None:
+def render_compare(result: Comparison, console: Console | None = None) -> None:
     """Verdict first, then the three numbers per arm, then the per-level differences."""
     con = console or make_console()
     colour = {"performance-scaling": "green", "capacity-only": "yellow", "no-gain": "white",
-              "regression": "red"}[result["verdict"]]
-    con.print(f"[bold {colour}]verdict: {result['verdict']}[/bold {colour}]")
+              "regression": "red"}[result.verdict]
+    con.print(f"[bold {colour}]verdict: {result.verdict}[/bold {colour}]")
     t = Table(title_justify="left")
     for col in ("", "control", "treatment"):
         t.add_column(col, justify="left" if not col else "right")
-    c, tr = result["control"], result["treatment"]
-    t.add_row("resident", f"{c['resident']} ({c['resident_source']})", f"{tr['resident']} ({tr['resident_source']})")
-    t.add_row("effective", str(c["effective"]), str(tr["effective"]))
-    t.add_row("stress limit", str(c["stress_limit"]), str(tr["stress_limit"]))
-    t.add_row("goodput tok/s (best level)", f"{c['goodput_tok_s']:.1f} @ {c['goodput_level']}",
-              f"{tr['goodput_tok_s']:.1f} @ {tr['goodput_level']}")
-    t.add_row("limited by", str(c["limited_by"]), str(tr["limited_by"]))
+    c, tr = result.control, result.treatment
+    t.add_row("resident", f"{c.resident} ({c.resident_source})", f"{tr.resident} ({tr.resident_source})")
+    t.add_row("effective", str(c.effective), str(tr.effective))
+    t.add_row("stress limit", str(c.stress_limit), str(tr.stress_limit))
+    t.add_row("goodput tok/s (best level)", f"{c.goodput_tok_s:.1f} @ {c.goodput_level}",
+              f"{tr.goodput_tok_s:.1f} @ {tr.goodput_level}")
+    t.add_row("limited by", str(c.limited_by), str(tr.limited_by))
     con.print(t)
-    g = result["goodput_gain"]
-    con.print(f"goodput Δ {g['delta_tok_s']:+.1f} tok/s, 95% CI [{g['ci95'][0]:+.1f}, {g['ci95'][1]:+.1f}] — "
-              + ("beyond noise" if g["beyond_noise"] else "inside the noise"))
-    if result.get("efficiency") is not None:
-        con.print(f"efficiency (Δ goodput % / Δ effective %): {result['efficiency']:.2f}")
+    g = result.goodput_gain
+    con.print(f"goodput Δ {g.delta_tok_s:+.1f} tok/s, 95% CI [{g.ci95[0]:+.1f}, {g.ci95[1]:+.1f}] — "
+              + ("beyond noise" if g.beyond_noise else "inside the noise"))
+    if result.efficiency is not None:
+        con.print(f"efficiency (Δ goodput % / Δ effective %): {result.efficiency:.2f}")
     lv = Table(title="Per level (control → treatment)", title_justify="left")
-    parked = any(any(v for v in row.get("server_parked_max") or []) for row in result["per_level"])
+    parked = any(any(v for v in row.server_parked_max) for row in result.per_level)
     for col in ("level", "out tok/s", "goodput tok/s", "Δ goodput CI95", "TTFT p95 ms", "TPOT p95 ms", "SLO",
                 "server running max") + (("parked max",) if parked else ()):
         lv.add_column(col, justify="right" if col != "level" else "left")
@@ -192,17 +194,16 @@ def render_compare(result: dict[str, Any], console: Console | None = None) -> No
     def pair(x: list[Any], fmt: str = "{:.0f}") -> str:
         return " → ".join("–" if v is None else fmt.format(v) for v in x)
 
-    for row in result["per_level"]:
-        lv.add_row(str(row["level"]), pair(row["output_tok_s"], "{:.1f}"), pair(row["goodput_tok_s"], "{:.1f}"),
-                   f"[{row['goodput_delta_ci95'][0]:+.1f}, {row['goodput_delta_ci95'][1]:+.1f}]",
-                   pair(row["ttft_p95_ms"]), pair(row["tpot_p95_ms"], "{:.1f}"),
-                   " → ".join("pass" if x else "fail" for x in row["slo_ok"]), pair(row["server_running_max"]),
-                   *((pair([v or 0 for v in row.get("server_parked_max") or [None, None]]),) if parked else ()))
+    for row in result.per_level:
+        lv.add_row(str(row.level), pair(row.output_tok_s, "{:.1f}"), pair(row.goodput_tok_s, "{:.1f}"),
+                   f"[{row.goodput_delta_ci95[0]:+.1f}, {row.goodput_delta_ci95[1]:+.1f}]",
+                   pair(row.ttft_p95_ms), pair(row.tpot_p95_ms, "{:.1f}"),
+                   " → ".join("pass" if x else "fail" for x in row.slo_ok), pair(row.server_running_max),
+                   *((pair([v or 0 for v in row.server_parked_max]),) if parked else ()))
     con.print(lv)
-    for d in result.get("diagnosis", []):
-        con.print(f"[bold]{d['arm']}[/bold]: bounded by [bold]{d['bound']}[/bold] — "
-                  f"{d['evidence']}. → {d['direction']}")
-    for d in result["fixed_variables"]["allowed_differences"]:
-        con.print(f"differs (allowed): {d['key']}: {d['control']!r} → {d['treatment']!r}")
-    for w in result["warnings"]:
+    for d in result.diagnosis:
+        con.print(f"[bold]{d.arm}[/bold]: bounded by [bold]{d.bound}[/bold] — {d.evidence}. → {d.direction}")
+    for diff in result.fixed_variables.allowed_differences:
+        con.print(f"differs (allowed): {diff.key}: {diff.control!r} → {diff.treatment!r}")
+    for w in result.warnings:
         con.print(f"[yellow]! {w}[/yellow]")

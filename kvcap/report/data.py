@@ -16,8 +16,9 @@ from kvcap.analysis.telemetry import Telemetry, read_telemetry, series
 from kvcap.report.charts import thin
 from kvcap.report.format import ARMS, is_finite
 from kvcap.rundir import RunDir
+from kvcap.rundir.compare import Comparison
 from kvcap.rundir.levels import LevelRow
-from kvcap.rundir.summary import Summary
+from kvcap.rundir.summary import Capacity, LevelSummary, Limits, Percentiles, Summary
 
 Rows = list[dict[str, Any]]
 
@@ -28,36 +29,40 @@ class Arm:
 
     label: str
     colour: str
-    summary: dict[str, Any]
+    summary: Summary
     run: RunDir | None = None
 
 
-def capacity(summary: Summary | dict[str, Any]) -> dict[str, Any]:
-    """The summary's capacities (effective, resident, stress limit, what limited them); empty if it has none."""
-    if isinstance(summary, Summary):
-        return summary.capacity.to_json()
-    return summary.get("capacity") or {}
+def capacity_figure(summary: Summary, key: str) -> float | None:
+    """One of the summary's capacities (``effective``, ``resident``, ``stress_limit``); None where unknown."""
+    v = getattr(summary.capacity, key)
+    return float(v) if is_finite(v) else None
 
 
-def quantile(lv: dict[str, Any], metric: str, q: str) -> float | None:
+def quantile(lv: LevelSummary, metric: str, q: str) -> float | None:
     """A level's latency percentile, e.g. ``quantile(lv, "ttft", "p95")``; None where missing or not finite."""
-    v = (lv.get(f"{metric}_ms") or {}).get(q)
+    v = getattr(getattr(lv, f"{metric}_ms"), q)
     return v if is_finite(v) else None
 
 
-def levels_from_per_level(result: dict[str, Any], i: int) -> Rows:
-    """Summary-shaped levels rebuilt from ``per_level`` when neither summaries nor run directories came along
-    (a saved ``compare --json``): p95s only, so p99 plots say 'no data'."""
-    out = []
-    for row in result.get("per_level") or []:
-        def pick(key: str, row: dict[str, Any] = row) -> Any:
-            v = row.get(key)
-            return v[i] if isinstance(v, list) and len(v) > i else None
-        out.append({"mode": row.get("mode", "concurrency"), "level": row.get("level"),
-                    "output_tok_s": pick("output_tok_s"), "goodput_tok_s": pick("goodput_tok_s"),
-                    "ttft_ms": {"p95": pick("ttft_p95_ms")}, "tpot_ms": {"p95": pick("tpot_p95_ms")},
-                    "slo_ok": pick("slo_ok"), "server_running_max": pick("server_running_max")})
-    return out
+def levels_from_per_level(result: Comparison, i: int) -> list[LevelSummary]:
+    """Levels rebuilt from ``per_level`` (arm ``i``: 0 control, 1 treatment) when neither summaries nor run
+    directories came along (a saved ``compare --json``): p95s only, so p99 plots say 'no data'; the counts are
+    absent."""
+    return [LevelSummary(mode=row.mode, level=row.level, output_tok_s=row.output_tok_s[i],
+                         goodput_tok_s=row.goodput_tok_s[i], ttft_ms=Percentiles(p95=row.ttft_p95_ms[i]),
+                         tpot_ms=Percentiles(p95=row.tpot_p95_ms[i]), slo_ok=row.slo_ok[i],
+                         server_running_max=row.server_running_max[i])
+            for row in result.per_level]
+
+
+def summary_from_per_level(result: Comparison, i: int) -> Summary:
+    """An arm's summary as far as a saved ``compare --json`` tells it: its levels from ``per_level``, the
+    comparison's SLO, capacities unknown (the key numbers come from the comparison's arm results)."""
+    unknown = Capacity(slo=result.slo, effective=None, stress_limit=None, resident=None, resident_source=None,
+                       resident_lower_bound=False, limited_by=None, scaling=[])
+    return Summary(source=None, arm=None, slo=result.slo, levels=levels_from_per_level(result, i),
+                   capacity=unknown, limits=Limits(duration_s=None, requests=None, rule="", notes=[]))
 
 
 def coerce_runs(runs: dict[str, Any] | None) -> dict[str, RunDir]:
@@ -69,19 +74,17 @@ def coerce_runs(runs: dict[str, Any] | None) -> dict[str, RunDir]:
     return out
 
 
-def arm_summaries(result: dict[str, Any], runs: dict[str, RunDir]) -> dict[str, dict[str, Any]]:
-    """Per-arm summaries as the report reads them (``summary.json``'s shape, which a rebuilt one has only in part):
-    from the result, else rebuilt from the run directories, else from ``per_level``."""
-    have = result.get("summaries") or {}
-    out: dict[str, dict[str, Any]] = {}
+def arm_summaries(result: Comparison, runs: dict[str, RunDir]) -> dict[str, Summary]:
+    """Per-arm summaries as the report reads them: from the result, else rebuilt from the run directories, else
+    from ``per_level`` (a saved comparison: only in part)."""
+    out: dict[str, Summary] = {}
     for i, arm in enumerate(ARMS):
-        given = have.get(arm)
-        if given:
-            out[arm] = given.to_json() if isinstance(given, Summary) else given
+        if result.summaries is not None:
+            out[arm] = getattr(result.summaries, arm)
         elif arm in runs:
-            out[arm] = build_summary(runs[arm], result.get("slo") or {}).to_json()
+            out[arm] = build_summary(runs[arm], result.slo)
         else:
-            out[arm] = {"levels": levels_from_per_level(result, i), "capacity": {}, "slo": result.get("slo") or {}}
+            out[arm] = summary_from_per_level(result, i)
     return out
 
 
@@ -89,27 +92,26 @@ def modes_in(arms: Sequence[Arm]) -> list[str]:
     """The load modes the arms' levels used, in order of first appearance."""
     modes: list[str] = []
     for a in arms:
-        for lv in a.summary.get("levels", []):
-            if str(lv.get("mode")) not in modes:
-                modes.append(str(lv.get("mode")))
+        for lv in a.summary.levels:
+            if lv.mode not in modes:
+                modes.append(lv.mode)
     return modes
 
 
 def capacity_mode(arms: Sequence[Arm]) -> str:
     """The mode capacities are counted in: concurrency when any level used it (or none has a mode)."""
-    modes = [lv.get("mode") for a in arms for lv in a.summary.get("levels", [])]
-    return "concurrency" if "concurrency" in modes or not modes else str(modes[0])
+    modes = [lv.mode for a in arms for lv in a.summary.levels]
+    return "concurrency" if "concurrency" in modes or not modes else modes[0]
 
 
-def mode_levels(summary: dict[str, Any], mode: str) -> Rows:
+def mode_levels(summary: Summary, mode: str) -> list[LevelSummary]:
     """A summary's levels of one mode with a finite level value, in increasing level."""
-    return sorted((lv for lv in summary.get("levels", []) if str(lv.get("mode")) == mode
-                   and is_finite(lv.get("level"))), key=lambda lv: lv["level"])
+    return sorted((lv for lv in summary.levels if lv.mode == mode and is_finite(lv.level)), key=lambda lv: lv.level)
 
 
 def level_values(arms: Sequence[Arm], mode: str) -> list[float]:
     """Every distinct level value of one mode across the arms, increasing."""
-    return sorted({float(lv["level"]) for a in arms for lv in mode_levels(a.summary, mode)})
+    return sorted({float(lv.level) for a in arms for lv in mode_levels(a.summary, mode)})
 
 
 def telemetry_series(rows: Telemetry | Rows, name: str, node: str | None = None) -> list[tuple[float, float]]:
@@ -142,10 +144,10 @@ def run_telemetry(run: RunDir | None) -> tuple[Telemetry, Rows] | None:
         return None
 
 
-def error_class_totals(levels: Iterable[dict[str, Any]]) -> dict[str, int]:
-    """Errors per class summed over the levels (non-numeric counts count as 0)."""
+def error_class_totals(levels: Iterable[LevelSummary]) -> dict[str, int]:
+    """Errors per class summed over the levels."""
     errs: dict[str, int] = defaultdict(int)
     for lv in levels:
-        for k, v in (lv.get("error_classes") or {}).items():
-            errs[str(k)] += int(v) if is_finite(v) else 0
+        for k, v in lv.error_classes.items():
+            errs[k] += v
     return errs

@@ -94,17 +94,14 @@ def pair(v: Any) -> list[Any]:
 INTERRUPTED = "interrupted: the summary covers the requests that finished"
 
 
-def run_notes(summary: Summary | dict[str, Any]) -> list[str]:
+def run_notes(summary: Summary) -> list[str]:
     """A run's own warnings and how it ended early — failed or stopped by the error rule, interrupted — one line
     each, as the reports list them beside the client's warnings; empty for a run that ended well."""
-    if not isinstance(summary, dict):
-        summary = summary.to_json()
-    notes = [str(w) for w in summary.get("warnings") or []]
-    stopped = summary.get("stopped")
-    if summary.get("failed"):
-        notes.append(f"run failed: {summary['failed']}")
-    elif isinstance(stopped, dict):
-        notes.append(f"run stopped: {stopped.get('reason')}")
-    if summary.get("interrupted"):
+    notes = list(summary.warnings)
+    if summary.failed:
+        notes.append(f"run failed: {summary.failed}")
+    elif summary.stopped is not None:
+        notes.append(f"run stopped: {summary.stopped.reason}")
+    if summary.interrupted:
         notes.append(INTERRUPTED)
     return notes

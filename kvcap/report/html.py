@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from kvcap.report.data import Arm, arm_summaries, coerce_runs
 from kvcap.report.format import ARMS, VERDICT_MEANING, esc, run_notes
@@ -21,14 +20,16 @@ from kvcap.report.tables import (
     fixed_table,
     key_numbers,
     node_table,
+    notes,
     per_level_compare,
     raw_table,
     single_fixed_table,
     single_key_numbers,
 )
 from kvcap.rundir import RunDir
+from kvcap.rundir.compare import Comparison
 from kvcap.rundir.manifest import Manifest
-from kvcap.rundir.summary import Summary
+from kvcap.rundir.summary import Finding, Summary
 
 ARM_COLOURS = {"control": "#1f6fb4", "treatment": "#e0661b"}
 SINGLE_COLOUR = "#1f6fb4"
@@ -99,18 +100,18 @@ def _run_line(label: str, run: RunDir | None, manifest: Manifest | None) -> str:
     return " · ".join(bits)
 
 
-def _arm_label(result: dict[str, Any], arm: str) -> str:
-    name = (result.get(arm) or {}).get("arm")
+def _arm_label(result: Comparison, arm: str) -> str:
+    name = getattr(result, arm).arm
     return arm if not name or name == arm else f"{arm} ({name})"
 
 
-def _verdict_box(result: dict[str, Any]) -> str:
+def _verdict_box(result: Comparison) -> str:
     """The verdict word, what it means, and the caveats that undermine it."""
-    verdict = str(result.get("verdict", "unknown"))
+    verdict = result.verdict
     caveats = []
-    if not (result.get("fixed_variables") or {}).get("equal", True):
+    if not result.fixed_variables.equal:
         caveats.append("fixed variables differ between the arms — see the fixed-variable table")
-    if result.get("treatment_took_effect") is False:
+    if result.treatment_took_effect is False:
         caveats.append("no server-side sign that the treatment took effect")
     return (f'<section class="verdict v-{esc(verdict)}"><div class="word">verdict: {esc(verdict)}</div>'
             f"<p>{esc(VERDICT_MEANING.get(verdict, 'Unknown verdict.'))}</p>"
@@ -142,40 +143,41 @@ def _evidence(arms: Sequence[Arm], slo: dict[str, float], markers_note: str) -> 
             '<h2 id="nodes">Per node</h2>', _per_node(arms)]
 
 
-def _diagnosis(diagnosis: Sequence[Any], warnings: Sequence[Any]) -> list[str]:
+def _diagnosis(diagnosis: Sequence[Finding], warnings: Sequence[str]) -> list[str]:
     """The diagnosis list and the warnings list (or that there are none)."""
     found = findings(diagnosis)
-    notes = "".join(findings(warnings))
+    listed = "".join(notes(warnings))
     return ['<h2 id="diagnosis">Diagnosis and warnings</h2>',
             (f'<ul class="findings diagnosis">{"".join(found)}</ul>' if found
              else '<p class="muted">No diagnosis.</p>'),
-            (f'<ul class="findings warnings">{notes}</ul>' if notes else '<p class="muted">No warnings.</p>')]
+            (f'<ul class="findings warnings">{listed}</ul>' if listed else '<p class="muted">No warnings.</p>')]
 
 
 # ---------------------------------------------------------------------------------------------------- entry points
 
 
-def render_html(result: dict[str, Any], runs: dict[str, RunDir] | None = None, title: str = "kvcap report") -> str:
-    """The compare report. ``result`` is what ``compare`` returns (or its saved JSON); ``runs`` — the two run
-    directories keyed ``control``/``treatment`` — add time series and the full fixed-variable table."""
+def render_html(result: Comparison, runs: dict[str, RunDir] | None = None, title: str = "kvcap report") -> str:
+    """The compare report. ``result`` is what ``compare`` returns (or its saved JSON, read with
+    :func:`~kvcap.rundir.read_comparison`); ``runs`` — the two run directories keyed ``control``/``treatment`` —
+    add time series and the full fixed-variable table."""
     rd = coerce_runs(runs)
     summaries = arm_summaries(result, rd)
     manifests = {arm: (rd[arm].manifest if arm in rd else None) for arm in ARMS}
     labels = {arm: _arm_label(result, arm) for arm in ARMS}
     arms = [Arm(labels[arm], ARM_COLOURS[arm], summaries[arm], rd.get(arm)) for arm in ARMS]
-    warnings = list(result.get("warnings") or [])
+    warnings = list(result.warnings)
     for arm in ARMS:
-        for w in (summaries[arm].get("client") or {}).get("warnings", []) or []:
-            warnings.append(f"{arm}: {w}")
+        client = summaries[arm].client
+        warnings += [f"{arm}: {w}" for w in (client.warnings if client is not None else [])]
         warnings += [f"{arm}: {note}" for note in run_notes(summaries[arm])]
     body = [
         _verdict_box(result),
-        '<h2 id="capacity">Capacity and goodput</h2>', key_numbers(result, labels),
-        *_evidence(arms, result.get("slo") or {},
+        '<h2 id="capacity">Capacity and goodput</h2>', key_numbers(result, labels, summaries),
+        *_evidence(arms, result.slo,
                    "Markers: solid = effective capacity, dotted = resident, dashed = stress limit "
                    "(C = control, T = treatment). Red dashed lines are SLO limits."),
         '<h2 id="fixed">Fixed variables</h2>', fixed_table(result, manifests),
-        *_diagnosis(result.get("diagnosis") or [], warnings),
+        *_diagnosis(result.diagnosis, warnings),
         '<h2 id="raw">Raw per-level results</h2>', per_level_compare(result, labels),
         *(f"<h3>{esc(a.label)}</h3>{raw_table(a.summary)}" for a in arms),
     ]
@@ -189,22 +191,21 @@ def render_html_single(summary: Summary, run: RunDir | None = None, title: str =
         run = RunDir(run)
     manifest = run.manifest if run is not None else None
     label = str(summary.arm or (manifest.arm if manifest is not None else None) or "run")
-    view = summary.to_json()
-    arm = Arm(label, SINGLE_COLOUR, view, run)
-    warnings = [*((summary.client or {}).get("warnings") or []), *run_notes(view)]
+    arm = Arm(label, SINGLE_COLOUR, summary, run)
+    warnings = [*(summary.client.warnings if summary.client is not None else []), *run_notes(summary)]
     body = [
         '<h2 id="capacity">Capacity and goodput</h2>', single_key_numbers(summary),
         *_evidence([arm], summary.slo,
                    "Markers: solid = effective capacity, dotted = resident, dashed = stress limit. "
                    "Red dashed lines are SLO limits."),
         '<h2 id="fixed">Fixed variables</h2>', single_fixed_table(manifest),
-        *_diagnosis([f.to_json() for f in summary.diagnosis], warnings),
-        '<h2 id="raw">Raw per-level results</h2>', raw_table(view),
+        *_diagnosis(summary.diagnosis, warnings),
+        '<h2 id="raw">Raw per-level results</h2>', raw_table(summary),
     ]
     return _page(title, _run_line(label, run, manifest), body)
 
 
-def write_html(path: str | Path, result: dict[str, Any], runs: dict[str, RunDir] | None = None,
+def write_html(path: str | Path, result: Comparison, runs: dict[str, RunDir] | None = None,
                title: str = "kvcap report") -> Path:
     """Write the compare report; returns the path written."""
     p = Path(path)

@@ -13,7 +13,8 @@ from typing import Any
 from kvcap.analysis.slo import format_slo
 from kvcap.analysis.summary import best_goodput_level
 from kvcap.report.format import ARMS, VERDICT_MEANING, fmt, fmtm, level_name, pair, run_notes
-from kvcap.rundir.summary import Summary
+from kvcap.rundir.compare import ArmResult, Comparison
+from kvcap.rundir.summary import Finding, Summary
 
 
 def md_escape(value: Any) -> str:
@@ -39,77 +40,69 @@ def _slo(ok: Any) -> str:
     return "–" if ok is None else "pass" if ok else "FAIL"
 
 
-def _finding(d: Any) -> str:
-    if isinstance(d, dict) and ("bound" in d or "evidence" in d):
-        text = (f"[{d['arm']}] " if d.get("arm") else "") + f"bounded by **{d.get('bound', '?')}**"
-        if d.get("evidence"):
-            text += f" — {d['evidence']}"
-        if d.get("direction"):
-            text += f". → {d['direction']}"
-        return text
-    if isinstance(d, dict):
-        return "; ".join(f"{k}: {v}" for k, v in d.items())
-    return str(d)
+def _finding(d: Finding) -> str:
+    text = (f"[{d.arm}] " if d.arm else "") + f"bounded by **{d.bound}**"
+    if d.evidence:
+        text += f" — {d.evidence}"
+    if d.direction:
+        text += f". → {d.direction}"
+    return text
 
 
-def _bullets(title: str, items: Sequence[Any]) -> list[str]:
+def _bullets(title: str, items: Sequence[str]) -> list[str]:
     if not items:
         return []
-    return ["", f"**{title}**", *(f"- {md_escape(_finding(x))}" for x in items)]
+    return ["", f"**{title}**", *(f"- {md_escape(x)}" for x in items)]
 
 
-def render_markdown(result: dict[str, Any]) -> str:
+def render_markdown(result: Comparison) -> str:
     """Verdict, the per-arm capacity table, goodput Δ with its CI, the per-level table, diagnosis and warnings."""
-    verdict = str(result.get("verdict", "unknown"))
-    c, t = result.get("control") or {}, result.get("treatment") or {}
+    verdict = result.verdict
     out = [f"### kvcap compare: **{md_escape(verdict)}**", "",
            md_escape(VERDICT_MEANING.get(verdict, "Unknown verdict.")), ""]
 
-    def res(a: dict[str, Any]) -> str:
-        return fmt(a.get("resident")) + (f" ({a['resident_source']})" if a.get("resident_source") else "")
+    def res(a: ArmResult) -> str:
+        return fmt(a.resident) + (f" ({a.resident_source})" if a.resident_source else "")
 
-    labels = [str((result.get(arm) or {}).get("arm") or arm) for arm in ARMS]
-    labels = [arm if lab == arm else f"{arm} ({lab})" for arm, lab in zip(ARMS, labels)]
+    arm_results = [result.control, result.treatment]
+    labels = [arm if (a.arm or arm) == arm else f"{arm} ({a.arm})" for arm, a in zip(ARMS, arm_results)]
     out += _table(["arm", "resident", "effective", "goodput tok/s (best level)", "stress limit", "limited by"],
-                  [[lab, res(a), fmt(a.get("effective")),
-                    f"{fmtm(a.get('goodput_tok_s'))} @ {fmt(a.get('goodput_level'))}", fmt(a.get("stress_limit")),
-                    fmt(a.get("limited_by"))] for lab, a in zip(labels, (c, t))],
+                  [[lab, res(a), fmt(a.effective), f"{fmtm(a.goodput_tok_s)} @ {fmt(a.goodput_level)}",
+                    fmt(a.stress_limit), fmt(a.limited_by)] for lab, a in zip(labels, arm_results)],
                   right=[False, True, True, True, True, False])
-    g = result.get("goodput_gain") or {}
-    if g:
-        ci = pair(g.get("ci95"))
-        noise = "beyond noise" if g.get("beyond_noise") else "inside the noise"
-        line = (f"Goodput Δ **{_signed(g.get('delta_tok_s'))} tok/s**, "
-                f"95% CI [{_signed(ci[0])}, {_signed(ci[1])}] — {noise}.")
-        if result.get("efficiency") is not None:
-            line += f" Efficiency {fmt(result['efficiency'])}."
-        out += ["", line]
-    fv = result.get("fixed_variables") or {}
-    tested = [f"`{md_escape(d.get('key'))}` {md_escape(d.get('control'))} → {md_escape(d.get('treatment'))}"
-              for d in fv.get("allowed_differences") or []]
+    g = result.goodput_gain
+    ci = pair(g.ci95)
+    noise = "beyond noise" if g.beyond_noise else "inside the noise"
+    line = f"Goodput Δ **{_signed(g.delta_tok_s)} tok/s**, 95% CI [{_signed(ci[0])}, {_signed(ci[1])}] — {noise}."
+    if result.efficiency is not None:
+        line += f" Efficiency {fmt(result.efficiency)}."
+    out += ["", line]
+    fv = result.fixed_variables
+    tested = [f"`{md_escape(d.key)}` {md_escape(d.control)} → {md_escape(d.treatment)}"
+              for d in fv.allowed_differences]
     if tested:
         out += ["", "Under test: " + ", ".join(tested)]
-    if not fv.get("equal", True):
+    if not fv.equal:
         out += ["", "**Not the same caliber** — fixed variables differ: "
-                + ", ".join(f"`{md_escape(d.get('key'))}`" for d in fv.get("differences") or [])]
-    if result.get("slo"):
-        out += ["", f"SLO: {md_escape(format_slo(result['slo']))}"]
+                + ", ".join(f"`{md_escape(d.key)}`" for d in fv.differences)]
+    if result.slo:
+        out += ["", f"SLO: {md_escape(format_slo(result.slo))}"]
     rows = []
-    for r in result.get("per_level") or []:
-        tok, good = pair(r.get("output_tok_s")), pair(r.get("goodput_tok_s"))
-        ttft, tpot, ok = pair(r.get("ttft_p95_ms")), pair(r.get("tpot_p95_ms")), pair(r.get("slo_ok"))
-        ci = pair(r.get("goodput_delta_ci95"))
-        rows.append([level_name(r.get("mode"), r.get("level")), fmtm(tok[0]), fmtm(tok[1]), fmtm(good[0]),
+    for r in result.per_level:
+        tok, good = r.output_tok_s, r.goodput_tok_s
+        ttft, tpot, ok = r.ttft_p95_ms, r.tpot_p95_ms, r.slo_ok
+        ci = r.goodput_delta_ci95
+        rows.append([level_name(r.mode, r.level), fmtm(tok[0]), fmtm(tok[1]), fmtm(good[0]),
                      fmtm(good[1]), f"[{_signed(ci[0])}, {_signed(ci[1])}]", fmtm(ttft[0]), fmtm(ttft[1]),
                      fmtm(tpot[0]), fmtm(tpot[1]), _slo(ok[0]), _slo(ok[1])])
     if rows:
         out += ["", *_table(["level", "tok/s C", "tok/s T", "goodput C", "goodput T", "Δ goodput 95% CI",
                              "TTFT p95 C ms", "TTFT p95 T ms", "TPOT p95 C ms", "TPOT p95 T ms", "SLO C", "SLO T"],
                             rows, right=[False] + [True] * 9 + [False, False])]
-    out += _bullets("Diagnosis", list(result.get("diagnosis") or []))
-    summaries = result.get("summaries") or {}
-    out += _bullets("Warnings", [*(result.get("warnings") or []),
-                                 *(f"{arm}: {note}" for arm in ARMS for note in run_notes(summaries.get(arm) or {}))])
+    out += _bullets("Diagnosis", [_finding(f) for f in result.diagnosis])
+    summaries = result.summaries
+    out += _bullets("Warnings", [*result.warnings, *(f"{arm}: {note}" for arm in ARMS if summaries is not None
+                                                     for note in run_notes(getattr(summaries, arm)))])
     return "\n".join(out) + "\n"
 
 
@@ -133,6 +126,7 @@ def render_markdown_single(summary: Summary) -> str:
     if rows:
         out += ["", *_table(["level", "tok/s", "goodput", "TTFT p95 ms", "TPOT p95 ms", "SLO"], rows,
                             right=[False, True, True, True, True, False])]
-    out += _bullets("Diagnosis", [f.to_json() for f in summary.diagnosis])
-    out += _bullets("Warnings", [*((summary.client or {}).get("warnings") or []), *run_notes(summary.to_json())])
+    out += _bullets("Diagnosis", [_finding(f) for f in summary.diagnosis])
+    client = summary.client.warnings if summary.client is not None else []
+    out += _bullets("Warnings", [*client, *run_notes(summary)])
     return "\n".join(out) + "\n"

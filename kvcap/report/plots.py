@@ -16,7 +16,7 @@ from kvcap.report.charts import Band, HLine, LegendItem, Series, VLine, svg_char
 from kvcap.report.data import (
     Arm,
     Rows,
-    capacity,
+    capacity_figure,
     capacity_mode,
     level_values,
     mode_levels,
@@ -63,11 +63,11 @@ def _capacity_markers(arms: Sequence[Arm]) -> tuple[list[VLine], list[LegendItem
     for key, short, dash in MARKERS:
         present = False
         for a in arms:
-            x = capacity(a.summary).get(key)
-            if is_finite(x):
+            x = capacity_figure(a.summary, key)
+            if x is not None:
                 present = True
                 label = f"{a.label[:1].upper()} {short}" if compare else short
-                vlines.append(VLine(float(x), label, a.colour, dash))
+                vlines.append(VLine(x, label, a.colour, dash))
         if present:
             extra.append(LegendItem(key.replace("_", " "), "#5b6472", dash))
     return vlines, extra
@@ -77,10 +77,10 @@ def _level_series(a: Arm, mode: str, metric: str, unit: str, q: str | None) -> S
     """One arm's metric against level, each point with a tooltip naming its level."""
     pts, tips = [], []
     for lv in mode_levels(a.summary, mode):
-        y = quantile(lv, metric, q) if q else lv.get(metric)
+        y = quantile(lv, metric, q) if q else getattr(lv, metric)
         if is_finite(y):
-            pts.append((float(lv["level"]), float(y)))
-            tips.append(f"{level_name(mode, lv['level'])}: {fmtm(y)} {unit}")
+            pts.append((float(lv.level), float(y)))
+            tips.append(f"{level_name(mode, lv.level)}: {fmtm(y)} {unit}")
     return Series(a.label, a.colour, pts, tips=tips)
 
 

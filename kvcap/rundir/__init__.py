@@ -22,6 +22,7 @@ from typing import IO, Any, TypedDict
 from pydantic import ValidationError
 
 from kvcap.errors import InputError
+from kvcap.rundir.compare import Comparison
 from kvcap.rundir.levels import LevelRow
 from kvcap.rundir.manifest import Manifest, host_facts
 from kvcap.rundir.model import RunModel
@@ -356,6 +357,20 @@ class RunDir:
             raise InputError(f"{str(p)!r} is not valid JSON") from None
         except ValidationError as exc:
             raise InputError(f"{str(p)!r} is not a kvcap summary: {_first_error(exc)}") from None
+
+
+def read_comparison(path: str | Path) -> Comparison:
+    """A saved ``compare.json`` (``kvcap compare --json``, ``kvcap ab``): the comparison without the arms'
+    summaries (a report rebuilds them from the run directories, or in part from ``per_level``)."""
+    p = Path(path)
+    try:
+        return Comparison.model_validate(json.loads(p.read_text()))
+    except OSError as exc:
+        raise InputError(f"cannot read {str(p)!r}: {exc.strerror}") from None
+    except json.JSONDecodeError:
+        raise InputError(f"{str(p)!r} is not valid JSON") from None
+    except ValidationError as exc:
+        raise InputError(f"{str(p)!r} is not a kvcap comparison: {_first_error(exc)}") from None
 
 
 def _first_error(exc: ValidationError) -> str:

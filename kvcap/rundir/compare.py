@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from kvcap.rundir.model import Number, RunModel
-from kvcap.rundir.summary import Finding
+from kvcap.rundir.summary import Finding, Summary
 
 
 class ArmResult(RunModel):
@@ -72,14 +72,18 @@ class LevelPair(RunModel):
 
     level: Number = Field(description="the level")
     mode: str = Field(description="its load model")
-    output_tok_s: list[float] = Field(description="output tokens/s")
-    goodput_tok_s: list[float] = Field(description="goodput tokens/s")
-    goodput_delta_ci95: list[float] = Field(description="95% interval of the goodput difference (tokens/s)")
-    ttft_p95_ms: list[float | None] = Field(description="TTFT p95 (ms)")
-    tpot_p95_ms: list[float | None] = Field(description="TPOT p95 (ms)")
-    slo_ok: list[bool] = Field(description="the level passed")
-    server_running_max: list[Number | None] = Field(description="requests running, max (telemetry)")
-    server_parked_max: list[Number | None] = Field(description="requests parked in a lower tier, max (telemetry)")
+    output_tok_s: list[float] = Field(min_length=2, max_length=2, description="output tokens/s")
+    goodput_tok_s: list[float] = Field(min_length=2, max_length=2, description="goodput tokens/s")
+    goodput_delta_ci95: list[float] = Field(min_length=2, max_length=2, description="95% interval of the goodput "
+                                                                                    "difference (tokens/s)")
+    ttft_p95_ms: list[float | None] = Field(min_length=2, max_length=2, description="TTFT p95 (ms)")
+    tpot_p95_ms: list[float | None] = Field(min_length=2, max_length=2, description="TPOT p95 (ms)")
+    slo_ok: list[bool] = Field(min_length=2, max_length=2, description="the level passed")
+    server_running_max: list[Number | None] = Field(min_length=2, max_length=2, description="requests running, "
+                                                                                            "max (telemetry)")
+    server_parked_max: list[Number | None] = Field(min_length=2, max_length=2, description="requests parked in a "
+                                                                                           "lower tier, max "
+                                                                                           "(telemetry)")
 
 
 class ArmInputLengths(RunModel):
@@ -87,6 +91,22 @@ class ArmInputLengths(RunModel):
 
     control: InputLengths = Field(description="the control arm")
     treatment: InputLengths = Field(description="the treatment arm")
+
+
+class ScheduledRepeat(RunModel):
+    """One arm's repeat in the order ``kvcap ab`` ran them against real endpoints (the arms interleaved)."""
+
+    arm: str = Field(description="the arm")
+    repeat: int = Field(description="the repeat (0-based)")
+    started_at: float = Field(description="when it started (Unix time, s)")
+    ended_at: float = Field(description="when it ended (Unix time, s)")
+
+
+class ArmSummaries(RunModel):
+    """The two arms' summaries the comparison was built from (each is its arm's ``summary.json``)."""
+
+    control: Summary = Field(description="the control arm's")
+    treatment: Summary = Field(description="the treatment arm's")
 
 
 class Comparison(RunModel):
@@ -105,3 +125,8 @@ class Comparison(RunModel):
                                                            "treatment at some level; None without telemetry")
     warnings: list[str] = Field(description="what the reader must know")
     diagnosis: list[Finding] = Field(description="both arms' findings")
+    schedule: list[ScheduledRepeat] | None = Field(default=None, description="ab against real endpoints: the arms' "
+                                                                             "repeats in the order they ran")
+    summaries: ArmSummaries | None = Field(default=None, exclude=True, description="not written: the two summaries "
+                                                                                   "compare built (None when read from "
+                                                                                   "compare.json)")

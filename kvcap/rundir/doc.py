@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import types
 import typing
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -22,6 +22,7 @@ from kvcap.rundir.levels import LevelRow
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.search import PointRow, SearchResult
 from kvcap.rundir.summary import Summary
+from kvcap.specs.calibration import CalibrationSection
 
 RECORD_FIELDS: dict[str, str] = {
     "mode": "load model of its level: 'concurrency', 'rate' or 'trace'",
@@ -74,6 +75,8 @@ TELEMETRY_FIELDS = (
 def type_name(annotation: Any) -> str:
     """An annotation as the page writes it: ``number``, ``string | null``, ``list[number]``, a model's name."""
     origin = get_origin(annotation)
+    if origin is Annotated:  # constraints (a pair's length) are the description's to say
+        return type_name(get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         names = list(dict.fromkeys(type_name(a) for a in get_args(annotation)))
         return " | ".join(names)
@@ -109,6 +112,8 @@ def model_section(model: type[BaseModel], seen: set[type[BaseModel]], level: int
     out = [f"{'#' * level} {model.__name__}", "", doc, "", "| key | type | description |", "|---|---|---|"]
     inner: list[type[BaseModel]] = []
     for name, field in model.model_fields.items():
+        if field.exclude:  # held in memory, never written
+            continue
         required = "" if field.is_required() else " (optional)"
         out.append(f"| `{name}` | {_cell(type_name(field.annotation))}{required} | {_cell(field.description or '')} |")
         inner += [m for m in nested_models(field.annotation) if m not in seen and m not in inner]
@@ -177,6 +182,8 @@ def render() -> str:
     out += ["## A search directory: points.jsonl and search.json", "", " ".join(_module_doc(PointRow).split()), ""]
     out += model_section(PointRow, seen)
     out += model_section(SearchResult, seen)
+    out += ["## A scenario's calibration: section", "", " ".join(_module_doc(CalibrationSection).split()), ""]
+    out += model_section(CalibrationSection, seen)
     return "\n".join(out).rstrip() + "\n"
 
 

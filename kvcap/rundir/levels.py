@@ -44,6 +44,20 @@ class SimLevel(RunModel):
     cancelled: int = Field(default=0, description="requests cancelled at the level's end")
 
 
+class StopReason(RunModel):
+    """Where bench's error rule (``--max-error-rate``) stopped the sweep, and why."""
+
+    reason: str = Field(description="why, in words")
+    mode: str = Field(description="the level's load model")
+    level: Number = Field(description="the level it stopped at")
+    repeat: int = Field(description="the repeat it stopped in")
+    at_s: float | None = Field(default=None, description="when (run seconds)")
+    errors: int | None = Field(default=None, description="requests failed among the last window")
+    window: int | None = Field(default=None, description="the requests the rule looks back over")
+    max_error_rate: float | None = Field(default=None, description="the rule's limit (fraction)")
+    error_classes: dict[str, int] = Field(default_factory=dict, description="the window's failures per class")
+
+
 class LevelRow(RunModel):
     """One line of ``levels.jsonl``."""
 
@@ -60,7 +74,7 @@ class LevelRow(RunModel):
     late_sends: int | None = Field(default=None, description="open loop: sends later than their schedule")
     achieved_rate: float | None = Field(default=None, description="open loop: requests/s actually sent")
     backoff_s: float | None = Field(default=None, description="bench: time spent backing off on errors (s)")
-    stopped: dict[str, Any] | None = Field(default=None, description="bench: where the error rule stopped the sweep")
+    stopped: StopReason | None = Field(default=None, description="bench: where the error rule stopped the sweep")
     worker: int | None = Field(default=None, description="bench: the worker that wrote this line (one worker)")
     workers: int | None = Field(default=None, description="bench: the workers merged into this line")
     concurrency_this_worker: int | None = Field(default=None,

@@ -7,10 +7,9 @@ command knew (``interrupted``, ``sim``, ``client``...); every reader gets the sa
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
+from kvcap.rundir.levels import StopReason
 from kvcap.rundir.model import Number, RunModel
 
 
@@ -101,39 +100,50 @@ class Imbalance(RunModel):
 
 class LevelSummary(RunModel):
     """One (mode, level) over its repeats: counts, throughput, goodput, latency percentiles, the conditions it
-    fails, and the server's telemetry over its measured windows (those keys absent without telemetry)."""
+    fails, and the server's telemetry over its measured windows (those keys absent without telemetry).
+
+    ``summary.json`` always has the keys down to ``failed_checks``; those marked optional are absent only from a
+    level rebuilt from ``compare.json``'s ``per_level`` (the report of a saved comparison)."""
 
     mode: str = Field(description="load model: 'concurrency', 'rate' or 'trace'")
     level: Number = Field(description="the load: concurrency (requests), rate (requests/s) or trace speed (×)")
-    requests: int = Field(description="measured requests judged (started in the window, not cancelled)")
-    ok: int = Field(description="judged requests that succeeded")
-    errors: int = Field(description="judged requests that failed")
-    cancelled: int = Field(description="measured requests cancelled at the level's end")
-    error_classes: dict[str, int] = Field(description="failed requests per error class, in order of first seen")
+    requests: int | None = Field(default=None, description="measured requests judged (started in the window, not "
+                                                            "cancelled)")
+    ok: int | None = Field(default=None, description="judged requests that succeeded")
+    errors: int | None = Field(default=None, description="judged requests that failed")
+    cancelled: int | None = Field(default=None, description="measured requests cancelled at the level's end")
+    error_classes: dict[str, int] = Field(default_factory=dict, description="failed requests per error class, in "
+                                                                           "order of first seen")
     output_tok_s: float = Field(description="output tokens/s received inside the window (median over repeats)")
-    request_s: float = Field(description="requests/s completed inside the window (median over repeats)")
-    output_tok_s_repeats: list[float] = Field(description="output_tok_s of each repeat")
+    request_s: float | None = Field(default=None, description="requests/s completed inside the window (median "
+                                                              "over repeats)")
+    output_tok_s_repeats: list[float] = Field(default_factory=list, description="output_tok_s of each repeat")
     goodput_tok_s: float = Field(description="output tokens/s of the requests within every SLO limit "
                                              "(median over repeats)")
-    goodput_tok_s_repeats: list[float] = Field(description="goodput_tok_s of each repeat")
-    in_flight_mean: float | None = Field(description="time-averaged requests in flight (median over repeats)")
-    error_rate: float = Field(description="errors / requests (fraction)")
-    truncated: int = Field(description="successful requests cut short of the output asked")
-    output_tokens_mean: float | None = Field(description="mean output tokens of the successful requests")
-    input_tokens_mean: float | None = Field(description="mean input tokens of the successful requests, as the "
-                                                        "server counted them")
-    ttft_ms: Percentiles = Field(description="time to first token (ms)")
-    tpot_ms: Percentiles = Field(description="time per output token after the first (ms)")
-    e2e_ms: Percentiles = Field(description="end-to-end latency (ms)")
-    itl_ms: Percentiles = Field(description="inter-token latency, every gap (ms)")
-    queue_ms: Percentiles = Field(description="time queued at the server before the first token's work (ms)")
-    send_delay_ms: Percentiles = Field(description="how late the client sent each request (ms), every measured one")
-    ci95: Intervals = Field(description="95% confidence intervals")
+    goodput_tok_s_repeats: list[float] = Field(default_factory=list, description="goodput_tok_s of each repeat")
+    in_flight_mean: float | None = Field(default=None, description="time-averaged requests in flight (median over "
+                                                                   "repeats)")
+    error_rate: float | None = Field(default=None, description="errors / requests (fraction)")
+    truncated: int | None = Field(default=None, description="successful requests cut short of the output asked")
+    output_tokens_mean: float | None = Field(default=None, description="mean output tokens of the successful requests")
+    input_tokens_mean: float | None = Field(default=None, description="mean input tokens of the successful "
+                                                                      "requests, as the server counted them")
+    ttft_ms: Percentiles = Field(default_factory=Percentiles, description="time to first token (ms)")
+    tpot_ms: Percentiles = Field(default_factory=Percentiles, description="time per output token after the first "
+                                                                          "(ms)")
+    e2e_ms: Percentiles = Field(default_factory=Percentiles, description="end-to-end latency (ms)")
+    itl_ms: Percentiles = Field(default_factory=Percentiles, description="inter-token latency, every gap (ms)")
+    queue_ms: Percentiles = Field(default_factory=Percentiles, description="time queued at the server before the "
+                                                                           "first token's work (ms)")
+    send_delay_ms: Percentiles = Field(default_factory=Percentiles, description="how late the client sent each "
+                                                                                "request (ms), every measured one")
+    ci95: Intervals = Field(default_factory=Intervals, description="95% confidence intervals")
     slo_ok: bool = Field(description="no SLO item and no condition failed, and some request succeeded")
-    failed_checks: list[str] = Field(description="SLO items and conditions (throughput_growth, error_rate, "
-                                                 "timeouts, queue_growth, preemptions) this level fails")
+    failed_checks: list[str] = Field(default_factory=list, description="SLO items and conditions "
+                                                                      "(throughput_growth, error_rate, timeouts, "
+                                                                      "queue_growth, preemptions) this level fails")
     achieved_rate: float | None = Field(default=None, description="requests/s actually sent (open loop; median over "
-                                                          "repeats)")
+                                                                  "repeats)")
     client_warnings: list[str] = Field(default_factory=list, description="the load generator's warnings")
     server_running_max: Number | None = Field(default=None, description="requests running (decoding), max")
     server_running_mean: float | None = Field(default=None, description="requests running (decoding), mean")
@@ -213,6 +223,34 @@ class SimTotals(RunModel):
     plan_resident: dict[str, int] = Field(description="the plan's resident requests per KV tier")
 
 
+class ClientTotals(RunModel):
+    """bench: the load generator's health over the whole run (the worst of its workers)."""
+
+    loop_lag_p99_ms_max: Number | None = Field(default=None, description="event-loop lag p99, the worst worker's "
+                                                                          "(ms)")
+    loop_lag_max_ms: Number | None = Field(default=None, description="event-loop lag, max (ms)")
+    cpu_fraction_max: Number | None = Field(default=None, description="CPU time / wall time, the busiest worker's")
+    warnings: list[str] = Field(default_factory=list, description="what may have limited the client")
+
+
+class PrometheusPull(RunModel):
+    """bench --prometheus: the run's window pulled from Prometheus into telemetry.jsonl."""
+
+    url: str | None = Field(description="the Prometheus server")
+    rows: int = Field(description="telemetry rows written")
+    series: int | None = Field(default=None, description="distinct series among them")
+    error: str | None = Field(default=None, description="why the pull failed (then rows is 0)")
+
+
+class LostWorker(RunModel):
+    """bench --ray: a worker lost during the run (its requests in flight written as cancelled)."""
+
+    worker: int = Field(description="the worker")
+    host: str | None = Field(description="its host")
+    node_id: str | None = Field(description="its Ray node")
+    reason: str = Field(description="why it was lost")
+
+
 class Summary(RunModel):
     """``summary.json``."""
 
@@ -226,16 +264,12 @@ class Summary(RunModel):
     diagnosis: list[Finding] = Field(default_factory=list, description="what bounds the run")
     warnings: list[str] = Field(default_factory=list, description="what the reader must know (input lengths, "
                                                                   "clock offsets)")
-    prometheus: dict[str, Any] | None = Field(default=None, description="bench: the Prometheus pull (url, rows, series "
-                                                                "or error)")
+    prometheus: PrometheusPull | None = Field(default=None, description="bench: the Prometheus pull")
     interrupted: bool | None = Field(default=None, description="bench/sim: the run was interrupted (Ctrl-C)")
-    stopped: dict[str, Any] | None = Field(default=None, description="bench: where the error rule stopped the sweep "
-                                                             "(mode, level, repeat, reason)")
+    stopped: StopReason | None = Field(default=None, description="bench: where the error rule stopped the sweep")
     failed: str | None = Field(default=None, description="bench: why the run failed as a whole, or None")
-    client: dict[str, Any] | None = Field(default=None, description="bench: the load generator's loop lag (ms), CPU "
-                                                            "fraction and warnings")
+    client: ClientTotals | None = Field(default=None, description="bench: the load generator's loop lag, CPU "
+                                                                  "fraction and warnings")
     telemetry_samples: int | None = Field(default=None, description="bench: telemetry samples taken")
-    lost_workers: list[dict[str, Any]] | None = Field(default=None,
-                                                      description="bench --ray: workers lost (worker, host, "
-                                                                  "node_id, reason)")
+    lost_workers: list[LostWorker] | None = Field(default=None, description="bench --ray: workers lost")
     sim: SimTotals | None = Field(default=None, description="sim: the engine's totals")

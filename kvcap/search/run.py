@@ -137,9 +137,9 @@ def _ray_node() -> str | None:
     return str(ray.get_runtime_context().get_node_id())
 
 
-def _simulate(task: PointTask, out: Path) -> dict[str, Any]:
+def _simulate(task: PointTask, out: Path) -> Summary:
     summary = run_sim(task.config(out))
-    if summary.get("interrupted"):  # run_sim keeps a partial run on Ctrl-C; a search keeps only whole points
+    if summary.interrupted:  # run_sim keeps a partial run on Ctrl-C; a search keeps only whole points
         raise KeyboardInterrupt
     return summary
 

@@ -39,6 +39,7 @@ from kvcap.rundir import (
 )
 from kvcap.rundir.store.column_file import ColumnWriter, TelemetryWriter
 from kvcap.rundir.store.record_columns import RecordColumns
+from kvcap.rundir.summary import SimTotals, Summary
 from kvcap.sim import NATIVE
 from kvcap.sim.cluster import ClusterModel, cluster_model
 from kvcap.sim.policy_llamacpp import REQUESTED_OUT
@@ -378,7 +379,7 @@ def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, 
     return info, t_end
 
 
-def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> Summary:
     """Every level × repeat of the plan; returns the summary (also written to ``summary.json``)."""
     if cfg.scenario.workload.prefix_groups:
         raise InputError("workload.prefix_tokens / prefix_groups are not simulated: replay a trace with hash_ids "
@@ -409,14 +410,14 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
         columns.close_file(writer.records)
         telemetry_copy.close(writer.telemetry_rows)
     wall = time.perf_counter() - wall0
-    summary = build_summary(RunDir(cfg.out), slo=cfg.slo).to_json()
+    summary = build_summary(RunDir(cfg.out), slo=cfg.slo)
     simulated = sum(i["sim"]["simulated_s"] for i in infos)
     engine = sum(i["sim"]["wall_s"] for i in infos)
-    summary["interrupted"] = interrupted
-    summary["sim"] = {"levels": len(infos), "requests": sum(i["sim"]["finished"] + i["sim"]["errors"] for i in infos),
-                      "events": sum(i["sim"]["events"] for i in infos), "simulated_s": round(simulated, 3),
-                      "engine_wall_s": round(engine, 3), "wall_s": round(wall, 3),
-                      "realtime_factor": round(simulated / engine, 1) if engine > 0 else None,
-                      "plan_resident": cm.plan.resident_requests}
-    write_json_atomic(cfg.out / SUMMARY, summary)
+    summary.interrupted = interrupted
+    summary.sim = SimTotals(levels=len(infos), requests=sum(i["sim"]["finished"] + i["sim"]["errors"] for i in infos),
+                            events=sum(i["sim"]["events"] for i in infos), simulated_s=round(simulated, 3),
+                            engine_wall_s=round(engine, 3), wall_s=round(wall, 3),
+                            realtime_factor=round(simulated / engine, 1) if engine > 0 else None,
+                            plan_resident=cm.plan.resident_requests)
+    write_json_atomic(cfg.out / SUMMARY, summary.to_json())
     return summary

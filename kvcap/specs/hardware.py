@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 from importlib import resources
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict
@@ -56,7 +56,7 @@ class LinkSpec(BaseModel):
 
 
 @cache
-def _catalog(file: str) -> dict[str, dict]:
+def _catalog(file: str) -> dict[str, dict[str, Any]]:
     text = resources.files("kvcap.specs.presets").joinpath(file).read_text()
     return yaml.safe_load(text) or {}
 
@@ -66,7 +66,7 @@ def gpu_names() -> tuple[str, ...]:
     return tuple(_catalog("gpus.yaml"))
 
 
-def _entry(file: str, name: str, what: str) -> tuple[str, dict]:
+def _entry(file: str, name: str, what: str) -> tuple[str, dict[str, Any]]:
     key = name.lower()
     catalog = _catalog(file)
     if key not in catalog:

@@ -54,7 +54,8 @@ class LengthDist:
         else:  # lognormal parameterised by its own mean and sd (not the underlying normal's)
             sigma2 = np.log1p((self.b / self.a) ** 2)
             x = rng.lognormal(np.log(self.a) - sigma2 / 2, np.sqrt(sigma2), size=n)
-        return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+        lengths: np.ndarray = np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+        return lengths
 
     def quantiles(self, n: int) -> np.ndarray:
         """``n`` lengths at the probabilities (i + ½) / n, in increasing order: a sample with no sampling noise in
@@ -71,7 +72,8 @@ class LengthDist:
             else:
                 sigma2 = np.log1p((self.b / self.a) ** 2)
                 x = np.exp(np.log(self.a) - sigma2 / 2 + np.sqrt(sigma2) * z)
-        return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+        lengths: np.ndarray = np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+        return lengths
 
 
 def parse_length(text: str | int, what: str = "length", hi: int = 1_000_000) -> LengthDist:

@@ -123,7 +123,8 @@ def displaced_by_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]
 
     ``--set load.requests=100000`` on a scenario with ``load.duration: 60s`` means "run 100,000 requests", not
     "whichever comes first"; setting both on the command line (or both in the file) keeps both (``LIMIT_RULE``)."""
-    load = data.get("load") if isinstance(data.get("load"), Mapping) else {}
+    section = data.get("load")
+    load: Mapping[str, Any] = section if isinstance(section, Mapping) else {}
     out: dict[str, str] = {}
     for key, value in overrides.items():
         section, _, name = key.partition(".")

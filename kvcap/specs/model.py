@@ -129,7 +129,7 @@ def load_model(ref: str, num_parameters: int | None = None) -> ModelSpec:
     key = ref.lower()
     if key not in preset_names():
         raise InputError(f"unknown model {ref!r}: {close_matches(key, preset_names())}")
-    text = resources.files("kvcap.specs.presets").joinpath(PRESET_DIR, f"{key}.json").read_text()
+    text = resources.files("kvcap.specs.presets").joinpath(PRESET_DIR).joinpath(f"{key}.json").read_text()
     return model_from_config(json.loads(text), name=key, source=f"preset:{key}", num_parameters=num_parameters)
 
 

@@ -14,6 +14,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvcap.errors import InputError
+from kvcap.specs.calibration import CalibrationSection
 from kvcap.specs.fields import Bandwidth, Duration, Fraction, Size, Strict, validation_message
 from kvcap.specs.load import MOONCAKE_BLOCK_TOKENS, LoadSpec, WorkloadSpec, displaced_by_overrides
 from kvcap.units import parse_size
@@ -168,7 +169,7 @@ class Scenario(Strict):
     workload: WorkloadSpec = WorkloadSpec()
     load: LoadSpec = LoadSpec()
     slo: dict[str, str] = Field(default_factory=dict)
-    calibration: dict[str, Any] | None = None
+    calibration: CalibrationSection | None = None
     """What ``kvcap calibrate`` fitted this scenario from (runs, coefficients, fit table); the simulator ignores it."""
 
     @field_validator("slo", mode="before")

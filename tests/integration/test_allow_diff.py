@@ -143,17 +143,17 @@ def test_a_derived_key_follows_only_a_source_that_differs():
     b = Manifest(source="bench", run_id="b", started_at=0.0,
                  fixed={"workload.input_tokens": "16", "workload.prompt_set": "p2"})
     # the asked length is allowed but equal: the prompt sets differ for another reason, which is not allowed
-    assert same_caliber(a, b, {"workload.input_tokens"})["differences"] == [
+    assert [d.to_json() for d in same_caliber(a, b, {"workload.input_tokens"}).differences] == [
         {"key": "workload.prompt_set", "control": "p1", "treatment": "p2"}]
     b.fixed["workload.input_tokens"] = "20"
-    assert same_caliber(a, b, {"workload.input_tokens"})["equal"] is True
+    assert same_caliber(a, b, {"workload.input_tokens"}).equal is True
 
 
 def test_measured_lengths_are_equal_within_5_percent():
     from kvcap.analysis.verdict import MEASURED_INPUT, same_caliber
 
     def diffs(x: float | None, y: float | None) -> list[dict]:
-        return same_caliber(None, None, set(), measured={MEASURED_INPUT: (x, y)})["differences"]
+        return [d.to_json() for d in same_caliber(None, None, set(), measured={MEASURED_INPUT: (x, y)}).differences]
 
     assert diffs(100.0, 104.9) == [] and diffs(100.0, None) == []
     assert diffs(100.0, 105.3) == [{"key": MEASURED_INPUT, "control": 100.0, "treatment": 105.3, "tolerance": 0.05}]
@@ -202,8 +202,8 @@ def test_a_run_without_the_digest_is_compared_by_its_path():
 
     old = run({"workload.dataset": "d.jsonl"})  # a run from before the digest was recorded
     new = run({"workload.dataset": "d.jsonl", "workload.dataset_sha256": "ab"})
-    assert same_caliber(old, new, set())["equal"] is True
+    assert same_caliber(old, new, set()).equal is True
     moved = run({"workload.dataset": "e.jsonl", "workload.dataset_sha256": "ab"})
-    assert same_caliber(old, moved, set())["differences"] == [
+    assert [d.to_json() for d in same_caliber(old, moved, set()).differences] == [
         {"key": "workload.dataset", "control": "d.jsonl", "treatment": "e.jsonl"}]
-    assert same_caliber(new, moved, set())["equal"] is True
+    assert same_caliber(new, moved, set()).equal is True

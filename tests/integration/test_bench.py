@@ -161,13 +161,14 @@ def test_manifest_prompt_identity_and_metrics(tmp_path, fixed_server):
     bench(fixed_server.url, tmp_path / "b", *args, "--seed", "1")
     bench(fixed_server.url, tmp_path / "c", *args, "--seed", "2")
     ma, mb, mc = (RunDir(tmp_path / x).manifest for x in "abc")
-    assert ma["fixed"]["workload.prompt_set"] == mb["fixed"]["workload.prompt_set"]
-    assert ma["fixed"]["workload.prompt_set"] != mc["fixed"]["workload.prompt_set"]
-    assert ma["run_id"] != mb["run_id"] and ma["source"] == "bench"
+    assert ma is not None and mb is not None and mc is not None
+    assert ma.fixed["workload.prompt_set"] == mb.fixed["workload.prompt_set"]
+    assert ma.fixed["workload.prompt_set"] != mc.fixed["workload.prompt_set"]
+    assert ma.run_id != mb.run_id and ma.source == "bench"
     for key in ("target.url", "model.name", "workload.input_tokens", "workload.output_tokens", "load.concurrency",
                 "decoding.temperature", "timeouts.request", "client.host", "load.seed"):
-        assert key in ma["fixed"], key
-    assert ma["fixed"]["model.name"] == "fake-model" and ma["slo"] == {"ttft_p95": 500.0}
+        assert key in ma.fixed, key
+    assert ma.fixed["model.name"] == "fake-model" and ma.slo == {"ttft_p95": 500.0}
     tel = RunDir(tmp_path / "a").telemetry()
     assert {"server.requests_running", "server.requests_waiting"} <= {t["name"] for t in tel}
     assert all(t["labels"]["raw"].startswith("vllm:") for t in tel)

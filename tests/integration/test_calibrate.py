@@ -186,6 +186,23 @@ def test_a_what_if_on_prompts_far_from_the_profiled_ones_is_called_an_extrapolat
             assert f"prompts of ~{n_in} tokens on a scenario calibrated on prompts of ~64–96" in p.stderr
 
 
+def test_a_calibration_section_is_checked_like_the_rest_of_the_scenario(tmp_path):
+    """The section is part of the scenario's contract: a misspelt key or a span that is not [least, most] is one
+    clear error; a hand-written section with some keys is written back with those keys only."""
+    base = {"serving": {"engine": "vllm", "max_num_seqs": 8, "step_cost": {"base": "10ms", "per_decode": "2ms"}}}
+    for section, said in (({"profiled_batchs": [1, 8]}, "calibration.profiled_batchs"),
+                          ({"profiled_batch": [8]}, "calibration.profiled_batch")):
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump({**base, "calibration": section}))
+        with pytest.raises(InputError, match=said):
+            load_scenario(path)
+    path = tmp_path / "some.yaml"
+    path.write_text(yaml.safe_dump({**base, "calibration": {"profiled_batch": [1, 8], "limits": []}}))
+    calibration = load_scenario(path).calibration
+    assert calibration is not None and calibration.profiled_batch == [1, 8] and calibration.source_runs is None
+    assert calibration.model_dump() == {"limits": [], "profiled_batch": [1, 8]}
+
+
 def test_a_what_if_far_past_the_profiled_batch_is_called_an_extrapolation(tmp_path):
     """The step line was fitted up to the profile's batch: ``kvcap sim`` says so when a what-if runs over 1.5× as
     many sequences at once; within that, nothing is said."""
@@ -267,7 +284,9 @@ def test_calibrate_finds_the_step_and_slots_then_predicts_24_slots(profile8, tmp
     # an ordinary scenario file: what `kvcap sim` reads, with the calibration section beside it
     s = load_scenario(scenario)
     assert s.serving.max_num_seqs == 8 and s.serving.step_cost is not None
-    assert s.calibration is not None and len(s.calibration["table"]) == 4
+    assert s.calibration is not None and s.calibration.table is not None and len(s.calibration.table) == 4
+    section = yaml.safe_load(scenario.read_text())["calibration"]  # the model writes back what it read, in order
+    assert s.calibration.model_dump() == section and list(s.calibration.model_dump()) == list(section)
 
     sim = run_cli("sim", str(scenario), "--set", "serving.max_num_seqs=24", "--concurrency", "8,16,24", *LENGTHS,
                   "--slo", SLO, "--out", str(tmp_path / "sim24"), "--quiet", "--json")

@@ -22,12 +22,15 @@ import pytest
 
 from kvcap.analysis.summary import build_summary
 from kvcap.analysis.verdict import compare
+from kvcap.errors import InputError
 from kvcap.report.data import level_windows, levels_from_per_level
 from kvcap.report.format import esc, fmt, fmtm, level_name, pair, signed, value_text
 from kvcap.report.html import render_html, render_html_single, write_html
 from kvcap.report.markdown import render_markdown, render_markdown_single
-from kvcap.rundir import MANIFEST, RunDir, RunWriter, write_json_atomic
+from kvcap.rundir import MANIFEST, RunDir, RunWriter, read_comparison, write_json_atomic
+from kvcap.rundir.compare import Comparison
 from kvcap.rundir.levels import LevelRow
+from kvcap.rundir.summary import Finding
 
 CHROMIUM = os.environ.get("KVCAP_CHROMIUM", "/usr/bin/chromium")
 LEVELS = (4, 8, 12)
@@ -103,10 +106,11 @@ def runs(tmp_path_factory) -> dict[str, RunDir]:
 
 
 @pytest.fixture(scope="module")
-def result(runs) -> dict:
+def result(runs) -> Comparison:
     r = compare(str(runs["control"].dir), str(runs["treatment"].dir))
-    r["warnings"] = [*r["warnings"], XSS_WARNING]
-    r["diagnosis"] = [*r.get("diagnosis", []), "plain string finding | " + XSS_WARNING]
+    r.warnings = [*r.warnings, XSS_WARNING]
+    r.diagnosis = [*r.diagnosis, Finding(arm="run", bound="compute", evidence="finding | " + XSS_WARNING,
+                                         direction="scale up")]
     return r
 
 
@@ -117,10 +121,10 @@ def report(result, runs, tmp_path_factory) -> Path:
 
 def test_synthetic_compare_is_performance_scaling(result):
     # the fixture itself: 4 → 8 slots doubles SLO-bounded concurrency and raises goodput beyond noise
-    assert result["verdict"] == "performance-scaling", result
-    assert (result["control"]["effective"], result["treatment"]["effective"]) == (4, 8)
-    assert (result["control"]["resident"], result["treatment"]["resident"]) == (4, 8)
-    assert result["fixed_variables"]["equal"] and result["goodput_gain"]["beyond_noise"]
+    assert result.verdict == "performance-scaling", result
+    assert (result.control.effective, result.treatment.effective) == (4, 8)
+    assert (result.control.resident, result.treatment.resident) == (4, 8)
+    assert result.fixed_variables.equal and result.goodput_gain.beyond_noise
 
 
 def test_html_content_plots_slo_lines_and_escaping(report, result):
@@ -157,9 +161,12 @@ def test_html_content_plots_slo_lines_and_escaping(report, result):
     assert not re.search(r"url\(|@import|@font-face", html)
 
 
-def test_html_without_run_dirs_and_single_run(result, runs):
+def test_html_without_run_dirs_and_single_run(result, runs, tmp_path):
     # a saved compare --json (no summaries, no run dirs): still a report, p99 plots empty, only differing keys
-    saved = json.loads(json.dumps({k: v for k, v in result.items() if k != "summaries"}))
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(result.to_json()))
+    saved = read_comparison(path)
+    assert saved.summaries is None and saved.to_json() == result.to_json()
     html = render_html(saved)
     assert "verdict: performance-scaling" in html and html.count('<svg class="plot"') == PLOTS_VS_LEVEL
     assert "no data" in html and "No server telemetry" in html and "serving.slots" in html
@@ -255,9 +262,24 @@ def test_level_windows_merge_workers_and_order_by_start():
          "t_end_s": 22}]
 
 
-def test_levels_from_per_level_pick_one_arm():
-    result = {"per_level": [{"mode": "rate", "level": 2, "output_tok_s": [10.0, 20.0], "ttft_p95_ms": [100, 90],
-                             "slo_ok": [True]}]}
-    assert levels_from_per_level(result, 1) == [
-        {"mode": "rate", "level": 2, "output_tok_s": 20.0, "goodput_tok_s": None, "ttft_ms": {"p95": 90},
-         "tpot_ms": {"p95": None}, "slo_ok": None, "server_running_max": None}]
+def test_levels_from_per_level_pick_one_arm(result):
+    levels = levels_from_per_level(result, 1)
+    assert [lv.level for lv in levels] == list(LEVELS)
+    for lv, row in zip(levels, result.per_level):
+        assert lv.to_json() == {"mode": "concurrency", "level": row.level, "output_tok_s": row.output_tok_s[1],
+                                "goodput_tok_s": row.goodput_tok_s[1], "ttft_ms": {"p95": row.ttft_p95_ms[1]},
+                                "tpot_ms": {"p95": row.tpot_p95_ms[1]}, "slo_ok": row.slo_ok[1],
+                                "server_running_max": row.server_running_max[1]}
+        assert lv.requests is None and lv.ttft_ms.p99 is None
+
+
+def test_a_saved_comparison_that_is_not_one_is_one_clear_error(result, tmp_path):
+    path = tmp_path / "compare.json"
+    broken = result.to_json()
+    broken["per_level"][0]["slo_ok"] = [True]  # one arm's figure lost
+    path.write_text(json.dumps(broken))
+    with pytest.raises(InputError, match=r"not a kvcap comparison: per_level\.0\.slo_ok: List should have at least 2"):
+        read_comparison(path)
+    path.write_text("{")
+    with pytest.raises(InputError, match="is not valid JSON"):
+        read_comparison(path)

@@ -36,7 +36,8 @@ def simulate(tmp_path: Path, name: str, **overrides: Any) -> tuple[dict, list[di
     out = tmp_path / name
     summary = run_sim(SimConfig(scenario=sc, plan=LoadPlan.from_spec(sc.load), out=out, slo=SLO))
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    return summary, records
+    assert summary.to_json() == json.loads((out / "summary.json").read_text())  # what run_sim returns it wrote
+    return summary.to_json(), records
 
 
 def measured(records: list[dict]) -> list[dict]:
@@ -176,7 +177,7 @@ def test_mooncake_trace_drives_prefix_caching_and_the_tier(tmp_path):
     out = tmp_path / "trace"
     summary = run_sim(SimConfig(scenario=sc, plan=plan_, out=out, slo=SLO))
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert summary["levels"][0]["mode"] == "trace"
+    assert summary.levels[0].mode == "trace"
     assert len(records) == len(rows) and all(r["ok"] for r in records)  # every row served, none lost
     hbm = sum(r["prefix_hit_tokens"] for r in records)
     tier = sum(r["tier_hit_tokens"] for r in records)

@@ -46,15 +46,17 @@ def test_same_caliber():
                          fixed={"model.name": "llama-3.1-8b", "cluster.gpus": 4, "serving.kv_offload": "host",
                                 "target.url": "http://b:8000", "workload.input_tokens": 2048, "load.repeats": 3})
     c = same_caliber(control, treatment, allow=set())
-    assert c["equal"] is False
-    assert c["differences"] == [{"key": "load.repeats", "control": None, "treatment": 3},
-                                {"key": "workload.input_tokens", "control": 1024, "treatment": 2048}]
-    assert c["allowed_differences"] == [{"key": "serving.kv_offload", "control": "none", "treatment": "host"}]
-    assert c["under_test"] == ["serving.kv_offload"]                 # target.url is expected to differ: not listed
+    assert c.equal is False
+    assert [d.to_json() for d in c.differences] == [
+        {"key": "load.repeats", "control": None, "treatment": 3},
+        {"key": "workload.input_tokens", "control": 1024, "treatment": 2048}]
+    assert [d.to_json() for d in c.allowed_differences] == [
+        {"key": "serving.kv_offload", "control": "none", "treatment": "host"}]
+    assert c.under_test == ["serving.kv_offload"]                 # target.url is expected to differ: not listed
     allowed = same_caliber(control, treatment, allow={"workload.input_tokens", "load.repeats"})
-    assert allowed["equal"] is True and len(allowed["allowed_differences"]) == 3
-    assert same_caliber(None, None, set()) == {"equal": True, "differences": [], "allowed_differences": [],
-                                           "under_test": []}
+    assert allowed.equal is True and len(allowed.allowed_differences) == 3
+    assert same_caliber(None, None, set()).to_json() == {"equal": True, "differences": [], "allowed_differences": [],
+                                                         "under_test": []}
 
 
 _EMPTY = {"p50": None, "p90": None, "p95": None, "p99": None, "mean": None}

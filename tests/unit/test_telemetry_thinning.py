@@ -37,7 +37,7 @@ WALL_KEYS = ("wall_s", "realtime_factor", "engine_wall_s")
 def _sim(arm: str, out: Path, full: bool) -> dict[str, Any]:
     sc = load_scenario(packaged_scenario("seed-reference.yaml"), {"serving.kv_offload": arm, "load.repeats": 1})
     return run_sim(SimConfig(scenario=sc, plan=LoadPlan.from_spec(sc.load), out=out, slo={"ttft_p95": 500.0,
-                   "tpot_p95": 80.0}, record_itl=False, full_telemetry=full))
+                   "tpot_p95": 80.0}, record_itl=False, full_telemetry=full)).to_json()
 
 
 def _no_wall(summary: dict[str, Any]) -> dict[str, Any]:

@@ -97,7 +97,7 @@ class _Writer:
             for a in arrays:
                 a = np.ascontiguousarray(a)
                 np.save(self.f, a, allow_pickle=False)
-                self.crc = zlib.crc32(memoryview(a).cast("B"), self.crc)
+                self.crc = zlib.crc32(a.data.cast("B"), self.crc)
         except OSError:
             self.discard()
             return
@@ -185,7 +185,7 @@ def _chunks(jsonl: Path, index: dict[str, Any], fields: dict[str, str],
             arrays = {}
             for name, kinds in fields.items():
                 a = arrays[name] = _read_array(f, end, kinds)
-                crc = zlib.crc32(memoryview(a).cast("B"), crc)
+                crc = zlib.crc32(a.data.cast("B"), crc)
             n = arrays[first].size
             if any(a.size != n for name, a in arrays.items() if name not in own_length):
                 raise Damaged(f"{path}: a chunk's arrays disagree")

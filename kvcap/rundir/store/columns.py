@@ -78,7 +78,7 @@ class LevelArrays:
 
     def meets(self, slo: dict[str, float] | None) -> np.ndarray:
         """Requests that succeeded with each of their own latencies within the SLO (unknown does not fail)."""
-        good = self.ok.copy()
+        good: np.ndarray = self.ok.copy()
         cols = {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e, "queue": self.queue}
         for key, limit in (slo or {}).items():
             metric = key.split("_", 1)[0]
@@ -93,7 +93,8 @@ class LevelArrays:
                 raise ValueError(f"window {(t0, t1)} was not counted and the ITLs were not kept")
             flat, lens = self._itl
             self._win_tokens[(t0, t1)] = count_tokens(self.first, flat, lens, [(t0, t1)])[0]
-        return self._win_tokens[(t0, t1)]
+        tokens: np.ndarray = self._win_tokens[(t0, t1)]
+        return tokens
 
     def request_tokens(self, t0: float, t1: float) -> np.ndarray:
         """Per request: its output tokens that arrived within [t0, t1) — ITL-timed, or for a request without ITLs
@@ -210,7 +211,7 @@ class Column:
     (pieces and result together: twice the level's columns)."""
 
     def __init__(self, dtype: Any):
-        self.arr = np.empty(4096, dtype)
+        self.arr: np.ndarray = np.empty(4096, dtype)
         self.n = 0
 
     def extend(self, values: np.ndarray) -> None:
@@ -223,12 +224,13 @@ class Column:
         self.n = end
 
     def done(self) -> np.ndarray:
-        out, self.arr = self.arr[:self.n].copy(), np.empty(0, self.arr.dtype)
+        out: np.ndarray = self.arr[:self.n].copy()
+        self.arr = np.empty(0, self.arr.dtype)
         return out
 
     def front(self, k: int) -> np.ndarray:
         """The first ``k`` values, taken out (the rest move to the front)."""
-        out = self.arr[:k].copy()
+        out: np.ndarray = self.arr[:k].copy()
         rest = self.n - k
         self.arr[:rest] = self.arr[k:self.n]
         self.n = rest
@@ -270,7 +272,9 @@ class Builder:
 
     def add(self, cols: dict[str, Any], rows: np.ndarray | None) -> None:
         """Append the chunk's rows of this level (``rows`` None: the whole chunk is this level's)."""
-        take = (lambda a: a) if rows is None else (lambda a: a[rows])
+        def take(a: np.ndarray) -> np.ndarray:
+            return a if rows is None else a[rows]
+
         mine = {k: take(v) for k, v in cols.items() if k not in ("itl", "itl_us", "key")}
         lens = mine.pop("itl_len")
         us = cols.get("itl_us")  # the same ITLs in µs (a column file's), for the percentiles' counts

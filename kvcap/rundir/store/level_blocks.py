@@ -20,8 +20,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from kvcap.rundir.store.columns import Builder, LevelArrays, Window
+from kvcap.rundir.store.columns import Builder, LevelArrays
 from kvcap.rundir.store.quantiles import ItlValues
+from kvcap.rundir.store.tokens import Window
 
 
 class Spill:

@@ -19,7 +19,7 @@ def percentiles(values: np.ndarray | list[float]) -> dict[str, float | None]:
     arr = np.asarray([np.nan if v is None else v for v in values] if isinstance(values, list) else values, float)
     arr = arr[~np.isnan(arr)]
     if arr.size == 0:
-        return {k: None for k in QUANTILES} | {"mean": None}
+        return {k: None for k in (*QUANTILES, "mean")}
     qs = np.percentile(arr, list(QUANTILES.values()))
     out: dict[str, float | None] = {k: round(float(q), 3) for k, q in zip(QUANTILES, qs)}
     out["mean"] = round(float(arr.mean()), 3)
@@ -38,7 +38,7 @@ def lerp_percentiles(n: int, value_at: Callable[[np.ndarray], np.ndarray], mean:
     """``percentiles`` of a sample of ``n`` values given ``value_at``: its sorted sample's values at the ranks asked
     (0-based), with numpy's "linear" method (index (n − 1)·q, its two-sided lerp), so the result is bit-equal."""
     if n == 0:
-        return {k: None for k in QUANTILES} | {"mean": None}
+        return {k: None for k in (*QUANTILES, "mean")}
     lo_index, hi_index, gamma = _lerp_ranks(n)
     a, b = value_at(lo_index), value_at(hi_index)
     diff = b - a
@@ -225,7 +225,8 @@ class OrderStats:
             raise ValueError("the records changed between the passes over them")
         before_in_wanted = np.cumsum(np.where(wanted, self.counts, 0)) - np.where(wanted, self.counts, 0)
         position = ranks - (ends[idx] - self.counts[idx]) + before_in_wanted[idx]
-        return self.values[np.searchsorted(np.cumsum(self.value_counts), position, side="right")]
+        values: np.ndarray = self.values[np.searchsorted(np.cumsum(self.value_counts), position, side="right")]
+        return values
 
     def ask_percentiles(self) -> None:
         if self.n:

@@ -59,7 +59,8 @@ def count_tokens(first: np.ndarray, flat: np.ndarray, lens: np.ndarray, windows:
 def itls_of(flat: np.ndarray, lens: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The ITLs of records ``rows`` (in that order) out of their chunk's flat array (``lens`` per record)."""
     starts = np.cumsum(lens) - lens
-    return flat[np.repeat(starts[rows], lens[rows]) + ranks(lens[rows])]
+    itls: np.ndarray = flat[np.repeat(starts[rows], lens[rows]) + ranks(lens[rows])]
+    return itls
 
 
 def last_token_times(first: np.ndarray, flat: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -90,4 +91,5 @@ def ranks(lens: np.ndarray) -> np.ndarray:
     """0, 1, …, len−1 for each length in turn (the position of each value inside its record)."""
     total = int(lens.sum())
     starts = np.repeat(np.cumsum(lens) - lens, lens)
-    return np.arange(total) - starts
+    within: np.ndarray = np.arange(total) - starts
+    return within
