@@ -43,6 +43,7 @@ def test_no_shipped_file_points_outside_the_repository():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.timeout(900)  # the published replays run from the copy's sources, uncompiled: about twice as long
 def test_data_tests_pass_from_a_copy_in_an_empty_folder(tmp_path):
     empty = tmp_path / "alone"
     copy = empty / "kvcap-clone"
@@ -54,7 +55,7 @@ def test_data_tests_pass_from_a_copy_in_an_empty_folder(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(copy)  # the copy's kvcap, not the checkout's
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           *DATA_TESTS], cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+                           *DATA_TESTS], cwd=copy, env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert re.search(r"\b(\d+) passed\b", proc.stdout) and " failed" not in proc.stdout
     probe = subprocess.run([sys.executable, "-c", "import kvcap; print(kvcap.__file__)"], cwd=copy, env=env,
