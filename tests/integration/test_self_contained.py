@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 DATA_TESTS = ("tests/unit/test_workload.py::test_real_traces_read", "tests/unit/test_sim_cost_calibration.py",
