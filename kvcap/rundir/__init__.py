@@ -17,9 +17,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import IO, Any, TypedDict
+from typing import IO, Any, TypedDict, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvcap.errors import InputError
 from kvcap.rundir.compare import Comparison
@@ -27,6 +27,8 @@ from kvcap.rundir.levels import LevelRow
 from kvcap.rundir.manifest import Manifest, host_facts
 from kvcap.rundir.model import RunModel
 from kvcap.rundir.summary import Summary
+
+M = TypeVar("M", bound=BaseModel)
 
 __all__ = ["COLUMN_COPIES", "LEVELS", "MANIFEST", "RECORD_FIELDS", "REQUESTS", "REQUIRED_RECORD_FIELDS", "SUMMARY",
            "TELEMETRY", "LevelRow", "Manifest", "RecordTags", "RequestRecord", "RunDir", "RunWriter", "Summary",
@@ -315,12 +317,7 @@ class RunDir:
         p = self.dir / MANIFEST
         if not p.exists():
             return None
-        try:
-            return Manifest.model_validate(json.loads(p.read_text()))
-        except json.JSONDecodeError:
-            raise InputError(f"{str(p)!r} is not valid JSON") from None
-        except ValidationError as exc:
-            raise InputError(f"{str(p)!r} is not a kvcap manifest: {_first_error(exc)}") from None
+        return read_model(p, Manifest, "a kvcap manifest")
 
     @property
     def slo(self) -> dict[str, float]:
@@ -351,26 +348,26 @@ class RunDir:
         p = self.dir / SUMMARY
         if not p.exists():
             return None
-        try:
-            return Summary.model_validate(json.loads(p.read_text()))
-        except json.JSONDecodeError:
-            raise InputError(f"{str(p)!r} is not valid JSON") from None
-        except ValidationError as exc:
-            raise InputError(f"{str(p)!r} is not a kvcap summary: {_first_error(exc)}") from None
+        return read_model(p, Summary, "a kvcap summary")
 
 
 def read_comparison(path: str | Path) -> Comparison:
     """A saved ``compare.json`` (``kvcap compare --json``, ``kvcap ab``): the comparison without the arms'
     summaries (a report rebuilds them from the run directories, or in part from ``per_level``)."""
-    p = Path(path)
+    return read_model(Path(path), Comparison, "a kvcap comparison")
+
+
+def read_model(p: Path, model: type[M], what: str) -> M:
+    """One JSON file of a run directory as its model; an unreadable, malformed or foreign file is one InputError
+    line saying which file and, for a foreign one, the first key that does not fit (``what``: what it should be)."""
     try:
-        return Comparison.model_validate(json.loads(p.read_text()))
+        return model.model_validate(json.loads(p.read_text()))
     except OSError as exc:
         raise InputError(f"cannot read {str(p)!r}: {exc.strerror}") from None
     except json.JSONDecodeError:
         raise InputError(f"{str(p)!r} is not valid JSON") from None
     except ValidationError as exc:
-        raise InputError(f"{str(p)!r} is not a kvcap comparison: {_first_error(exc)}") from None
+        raise InputError(f"{str(p)!r} is not {what}: {_first_error(exc)}") from None
 
 
 def _first_error(exc: ValidationError) -> str:
