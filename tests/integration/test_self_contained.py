@@ -21,6 +21,13 @@ DATA_TESTS = ("tests/unit/test_workload.py::test_real_traces_read", "tests/unit/
               "tests/integration/test_sim_cost_calibration_script.py",
               "tests/integration/test_sim.py::test_mooncake_trace_drives_prefix_caching_and_the_tier",
               "tests/integration/test_calibrate_published.py")
+SLOW_REPLAYS = ("tests/integration/test_calibrate_published.py::test_h100_held_out_points_within_the_printed_errors",
+                "tests/integration/test_calibrate_published.py::"
+                "test_rtx4090_llama_held_out_with_the_pool_reused_as_vllm_reuses_it",
+                "tests/integration/test_calibrate_published.py::"
+                "test_published_inter_token_gaps_show_where_the_step_is_off")
+"""Left out of the copy's run: they read the same published file as the rest of their module (its ``sets``
+fixture) and only replay more of it, minutes uncompiled; the main run has them."""
 OUTSIDE = re.compile(r"\.\./shared|parents\[2\]|ROOT\.parent|parent\.parent / \"shared\"")
 
 
@@ -45,7 +52,7 @@ def test_no_shipped_file_points_outside_the_repository():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.timeout(900)  # the published replays run from the copy's sources, uncompiled: about twice as long
+@pytest.mark.timeout(600)  # the copy runs its own sources, uncompiled
 def test_data_tests_pass_from_a_copy_in_an_empty_folder(tmp_path):
     empty = tmp_path / "alone"
     copy = empty / "kvcap-clone"
@@ -57,7 +64,8 @@ def test_data_tests_pass_from_a_copy_in_an_empty_folder(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(copy)  # the copy's kvcap, not the checkout's
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           *DATA_TESTS], cwd=copy, env=env, capture_output=True, text=True, timeout=840)
+                           *DATA_TESTS, *(f"--deselect={t}" for t in SLOW_REPLAYS)],
+                          cwd=copy, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert re.search(r"\b(\d+) passed\b", proc.stdout) and " failed" not in proc.stdout
     probe = subprocess.run([sys.executable, "-c", "import kvcap; print(kvcap.__file__)"], cwd=copy, env=env,
