@@ -26,13 +26,15 @@ def levels_input_mean(levels: Iterable[LevelSummary]) -> float | None:
 
 
 def asked_mean(manifest: Manifest | None) -> float | None:
-    """The mean of the asked input length distribution; None for a dataset, a trace or an unreadable spec."""
+    """The mean of the asked input length distribution, a shared prefix added where the manifest says prompts are
+    prefix + input (``workload.prompt``); None for a dataset, a trace or an unreadable spec."""
     fixed = manifest.fixed if manifest is not None else {}
     spec = fixed.get("workload.input_tokens")
     if spec is None or fixed.get("load.mode") == "trace":
         return None
+    prefix = int(fixed.get("workload.prefix_tokens") or 0) if "workload.prompt" in fixed else 0
     try:
-        return parse_length(spec).mean
+        return parse_length(spec).mean + prefix
     except InputError:
         return None
 

@@ -100,8 +100,12 @@ def _add_request_flags(g: common.Flags) -> None:
     g.add_argument("--input-lengths", choices=("server", "local"), default="server",
                    help="size prompts by the server's own count (/tokenize or usage probes, checked before the "
                         "sweep; default) or by the local counter only (--tokenizer, else one word one token)")
-    g.add_argument("--prefix-tokens", type=int, default=0, help="shared prefix length per group (0: none)")
+    g.add_argument("--prefix-tokens", type=int, default=0,
+                   help="a system prompt shared per group, before each prompt's --input-tokens (0: none)")
     g.add_argument("--prefix-groups", type=int, default=0, help="number of shared-prefix groups")
+    g.add_argument("--prompts-per-group", type=int, default=None, metavar="N",
+                   help="distinct questions per group, shuffled once and cycled as inference-perf does "
+                        "(default: every request its own)")
     g.add_argument("--no-unique-prefix", action="store_true",
                    help="do not make prompts unique per run/level (lets a prompt cache hit across runs)")
 
@@ -179,7 +183,8 @@ def _bench_config(a: argparse.Namespace) -> Any:
                        output_dist=workload.output_dist, tokenizer=a.tokenizer, dataset=a.dataset,
                        server_lengths=a.input_lengths == "server",
                        prefix_tokens=workload.prefix_tokens, prefix_groups=workload.prefix_groups,
-                       unique_prefix=not a.no_unique_prefix, metrics_urls=list(a.metrics_url or []),
+                       prompts_per_group=workload.prompts_per_group, unique_prefix=not a.no_unique_prefix,
+                       metrics_urls=list(a.metrics_url or []),
                        prometheus=_prometheus_url(a.prometheus), local_telemetry=a.local_telemetry,
                        slo=parse_slo(a.slo), workers=a.workers, overwrite=a.overwrite, arm=a.arm, fixed=fixed,
                        record_text=a.record_text, under_test=sorted(vary), error_rule=_error_rule(a),
@@ -241,8 +246,10 @@ def _workload_spec(a: argparse.Namespace) -> Any:
         raise InputError("--prefix-tokens and --prefix-groups go together and must be positive")
     lengths = {"input_tokens": parse_length(a.input_tokens, "--input-tokens").spec,
                "output_tokens": parse_length(a.output_tokens, "--output-tokens").spec}
-    return validate(WorkloadSpec, {**lengths, "prefix_tokens": a.prefix_tokens,
-                                           "prefix_groups": a.prefix_groups}, "bench")
+    if a.prompts_per_group is not None and (a.prompts_per_group < 1 or not a.prefix_groups):
+        raise InputError("--prompts-per-group needs --prefix-tokens and --prefix-groups and must be positive")
+    return validate(WorkloadSpec, {**lengths, "prefix_tokens": a.prefix_tokens, "prefix_groups": a.prefix_groups,
+                                   "prompts_per_group": a.prompts_per_group}, "bench")
 
 
 def _prometheus_url(url: str | None) -> str | None:

@@ -28,6 +28,7 @@ from kvcap.rundir.summary import ClientTotals, LostWorker, PrometheusPull, Summa
 from kvcap.specs.lengths import LengthDist
 from kvcap.telemetry.scrape import MetricsSampler
 from kvcap.workload.prompts import PromptFactory, TokenCounter
+from kvcap.workload.reuse import prompt_parts
 
 
 @dataclass
@@ -43,6 +44,7 @@ class BenchConfig:
     dataset: str | None = None
     prefix_tokens: int = 0
     prefix_groups: int = 0
+    prompts_per_group: int | None = None
     unique_prefix: bool = True
     metrics_urls: list[str] = field(default_factory=list)
     prometheus: str | None = None
@@ -98,6 +100,8 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
         **({"workload.dataset_sha256": file_sha256(cfg.dataset)} if cfg.dataset else {}),
         "workload.prefix_tokens": cfg.prefix_tokens,
         "workload.prefix_groups": cfg.prefix_groups, "workload.unique_prefix": cfg.unique_prefix,
+        **(prompt_parts(cfg.prefix_tokens, cfg.prompts_per_group) if cfg.prefix_groups and cfg.dataset is None
+           else {}),
         "workload.prompt_set": factory.identity(),
         "workload.tokenizer": Path(cfg.tokenizer).name if cfg.tokenizer else None,
         "decoding.temperature": t.temperature, "decoding.force_length": t.force_length,

@@ -21,7 +21,8 @@ def make_factory(cfg: Any, counter: TokenCounter, lengths: InputLengths | None =
         counter = TokenCounter(costs=lengths.costs)
     return PromptFactory(seed=cfg.plan.seed, input_dist=cfg.input_dist, output_dist=cfg.output_dist,
                          counter=counter, prefix_tokens=cfg.prefix_tokens, prefix_groups=cfg.prefix_groups,
-                         unique_prefix=cfg.unique_prefix, run_id=cfg.run_id, dataset=dataset,
+                         prompts_per_group=cfg.prompts_per_group, unique_prefix=cfg.unique_prefix,
+                         run_id=cfg.run_id, dataset=dataset,
                          overhead=lengths.overhead)
 
 

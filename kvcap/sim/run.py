@@ -49,8 +49,12 @@ from kvcap.sim.sampler import Sampler
 from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import Scenario, scenario_noting
 from kvcap.workload.loadplan import LoadPlan, rate_offsets, trace_schedule
+from kvcap.workload.reuse import SharedPrefixPlan, prompt_parts, shared_prefix_plan
 
 LEVEL_GAP_S = 1.0
+REFUSED_IN_A_ROW = 10_000
+"""Closed-loop requests refused the instant they were sent, in a row, that end a level as bad input (its users
+would resend forever without the clock moving)."""
 MAX_EVENTS = 50_000_000
 FLUSH_S = 0.5
 """Records and telemetry reach the disk at least this often (wall seconds) and at each level's end."""
@@ -106,6 +110,10 @@ def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> Manifest:
     data = sc.model_dump(mode="json", exclude={"name", "description", "load", "slo"})
     fixed = flatten("", data, {})
     wl = sc.workload
+    if wl.prefix_groups:
+        fixed.update(prompt_parts(wl.prefix_tokens, wl.prompts_per_group))
+    else:
+        fixed.pop("workload.prompts_per_group", None)  # only shared-prefix workloads have prompts per group
     fixed.update({"workload.input_tokens": wl.input_dist.spec, "workload.output_tokens": wl.output_dist.spec,
                   "model.name": cm.inputs.model.name, "server.engine": "kvcap-sim", "server.version": __version__,
                   "load.trace": Path(cfg.trace_file).name if cfg.trace_file else None, **cfg.plan.manifest()})
@@ -168,6 +176,27 @@ def _itls(times: np.ndarray, as_array: bool) -> Any:
     return itl if as_array else itl.tolist()
 
 
+class _SharedPrefixRequests:
+    """Lengths and hash ids of a shared-prefix workload's requests in send order (request ``i`` of a level is
+    ``bench``'s request ``i``: :mod:`kvcap.workload.reuse`), hashed at the replicas' ``hash_block_tokens``."""
+
+    def __init__(self, plan: SharedPrefixPlan, block_tokens: int):
+        self.plan, self.block_tokens, self.i = plan, block_tokens, 0
+        self.hashes: dict[int, tuple[int, ...]] = {}
+        """A slot's hash ids, kept while its prompts cycle (a workload without a cycle keeps none)."""
+
+    def next(self) -> tuple[int, int, tuple[int, ...]]:
+        plan = self.plan
+        p = plan.prompt(self.i)
+        self.i += 1
+        hashes = self.hashes.get(p.slot)
+        if hashes is None:
+            hashes = plan.hash_ids(p, self.block_tokens)
+            if plan.prompts_per_group:
+                self.hashes[p.slot] = hashes
+        return p.input_tokens, p.output_tokens, hashes
+
+
 class _Lengths:
     """Input/output lengths per request from the workload's distributions, seeded per repeat and not per level:
     request i has the same lengths at every level (``bench`` sends the same prompt set at every level too), so
@@ -177,12 +206,14 @@ class _Lengths:
         self.i, self.o = parse_length(input_spec, "workload.input_tokens"), parse_length(output_spec,
                                                                                         "workload.output_tokens")
         self.rng = np.random.default_rng(seed)
-        self.buf: list[tuple[int, int]] = []
+        self.buf: list[tuple[int, int, tuple[int, ...]]] = []
 
-    def next(self) -> tuple[int, int]:
+    def next(self) -> tuple[int, int, tuple[int, ...]]:
+        """(input tokens, output tokens, hash ids: none)."""
         if not self.buf:
             n = 4096
-            self.buf = list(zip(self.i.sample(n, self.rng).tolist(), self.o.sample(n, self.rng).tolist()))[::-1]
+            self.buf = list(zip(self.i.sample(n, self.rng).tolist(), self.o.sample(n, self.rng).tolist(),
+                                [()] * n))[::-1]
         return self.buf.pop()
 
 
@@ -201,7 +232,7 @@ class _LevelRun:
         self.measure_end = self.measure_start + plan.duration_s if plan.duration_s is not None else math.inf
         self.base = {"mode": self.mode, "level": int(level) if self.mode == "concurrency" else level,
                      "repeat": repeat}
-        self.measured = self.rid = self.inflight = self.ok = self.errors = 0
+        self.measured = self.rid = self.inflight = self.ok = self.errors = self.refused_at_once = 0
         self.stop_at: float | None = None
         """When the closed loop stopped sending (past the window, or the request count reached)."""
         self.live: dict[int, SimRequest] = {}
@@ -211,7 +242,11 @@ class _LevelRun:
         self.sampler = Sampler(self.sim, offset, writer.telemetry, tuple(self.sim.tiers), thin=not full_telemetry,
                                copy=telemetry_copy)
         wl = cm.scenario.workload
-        self.lengths = _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, repeat))
+        shared = shared_prefix_plan(plan.seed, wl.prefix_tokens, wl.prefix_groups, wl.input_dist, wl.output_dist,
+                                    wl.prompts_per_group)
+        self.lengths: _Lengths | _SharedPrefixRequests = (
+            _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, repeat)) if shared is None
+            else _SharedPrefixRequests(shared, cm.scenario.serving.hash_block_tokens))
         self.arrivals: Sequence[float] = []
         """Open loop and trace: every request's arrival (s), in schedule order (an open loop's: 8 bytes each)."""
         self.trace_rows: list[Any] = []
@@ -233,6 +268,14 @@ class _LevelRun:
         if self.columns is not None:
             self.columns.add(cast(dict[str, Any], rec))
         if self.mode == "concurrency":
+            if rec["ok"] or req.arrival != now:
+                self.refused_at_once = 0
+            else:
+                self.refused_at_once += 1
+                if self.refused_at_once >= REFUSED_IN_A_ROW:
+                    raise InputError(f"every request is refused at once at level {self.level:g} ({rec['error']}: "
+                                     f"{req.prompt} prompt + {req.max_out} output tokens fit neither the model's "
+                                     "context nor a replica's KV pool): shorten the workload")
             self.issue(now)
 
     def new_request(self, t: float, prompt: int, out: int, hashes: tuple[int, ...] = ()) -> SimRequest:
@@ -288,7 +331,7 @@ class _LevelRun:
             if i != self.drawn:
                 raise RuntimeError(f"open-loop request {i} arrived out of schedule order (next: {self.drawn})")
             self.drawn += 1
-            (i_tok, o_tok), hashes = self.lengths.next(), ()
+            i_tok, o_tok, hashes = self.lengths.next()
         req = SimRequest(rid=i + 1, arrival=t, prompt=i_tok, max_out=o_tok, hashes=hashes,
                          tags={**self.base, "phase": "warmup" if t < self.measure_start else "measure"})
         self.live[req.rid] = req
@@ -381,9 +424,6 @@ def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, 
 
 def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> Summary:
     """Every level × repeat of the plan; returns the summary (also written to ``summary.json``)."""
-    if cfg.scenario.workload.prefix_groups:
-        raise InputError("workload.prefix_tokens / prefix_groups are not simulated: replay a trace with hash_ids "
-                         "(e.g. Mooncake's) for prefix reuse")
     cm = cluster_model(cfg.scenario)
     writer = RunWriter(cfg.out, overwrite=cfg.overwrite, flush_s=FLUSH_S)
     started = time.time()

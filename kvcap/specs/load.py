@@ -44,14 +44,20 @@ class WorkloadSpec(Strict):
     input_tokens: Length = 1024
     output_tokens: Length = 256
     prefix_tokens: int = Field(default=0, ge=0)
-    """Tokens of a prefix shared by every request of a group (with ``prefix_groups``)."""
+    """Tokens of a system prompt shared by every request of a group (with ``prefix_groups``); a prompt is this
+    prefix followed by ``input_tokens`` of its own (:mod:`kvcap.workload.reuse`)."""
     prefix_groups: int = Field(default=0, ge=0)
     """Number of shared-prefix groups requests are spread over (with ``prefix_tokens``)."""
+    prompts_per_group: int | None = Field(default=None, ge=1)
+    """Distinct questions per group, sent shuffled and cycled as inference-perf's ``shared_prefix`` does (so a
+    whole prompt recurs every ``prefix_groups × prompts_per_group`` requests); unset: every request its own."""
 
     @model_validator(mode="after")
     def _prefix_pair(self) -> WorkloadSpec:
         if (self.prefix_tokens > 0) != (self.prefix_groups > 0):
             raise InputError("prefix_tokens and prefix_groups go together and must be positive")
+        if self.prompts_per_group and not self.prefix_groups:
+            raise InputError("prompts_per_group needs prefix_tokens and prefix_groups")
         return self
 
     @property

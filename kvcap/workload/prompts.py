@@ -26,6 +26,7 @@ import numpy as np
 
 from kvcap.errors import InputError
 from kvcap.specs.lengths import LengthDist
+from kvcap.workload.reuse import SharedPrefixPlan, shared_prefix_plan
 from kvcap.workload.words import WORDS, block_text
 
 LEAD = WORDS[0]
@@ -140,6 +141,7 @@ class PromptFactory:
     counter: TokenCounter = field(default_factory=TokenCounter)
     prefix_tokens: int = 0
     prefix_groups: int = 0
+    prompts_per_group: int | None = None
     unique_prefix: bool = True
     run_id: str = ""
     dataset: list[dict[str, Any]] | None = None
@@ -195,7 +197,43 @@ class PromptFactory:
             self._cached_bytes += cost
         return entry
 
+    @cached_property
+    def shared(self) -> SharedPrefixPlan | None:
+        """The shared-prefix groups of a generated workload (a dataset's rows keep their own text)."""
+        if self.dataset is not None:
+            return None
+        return shared_prefix_plan(self.seed, self.prefix_tokens, self.prefix_groups, self.input_dist,
+                                  self.output_dist, self.prompts_per_group)
+
+    def _question(self, slot: int, tokens: int) -> str:
+        if slot not in self._questions:
+            rng = np.random.default_rng((self.seed, 2_000_003, slot))
+            text = " ".join(self._words[rng.integers(len(WORDS), size=tokens + 8)])
+            self._questions[slot] = self.counter.fit(text, tokens)
+            if len(self._questions) > 4096:  # a cycle of slots is short; unique questions are not kept
+                self._questions.pop(next(iter(self._questions)))
+        return self._questions[slot]
+
+    @cached_property
+    def _questions(self) -> dict[int, str]:
+        return {}
+
+    def shared_request(self, plan: SharedPrefixPlan, i: int, level: float, repeat: int) -> RequestSpec:
+        """Request ``i`` of a shared-prefix workload: ``[lead][level tag][group prefix]`` in exactly
+        ``prefix_tokens`` (less the server's own ``overhead``, which precedes it), then the slot's question. No
+        request nonce: a slot's prompt recurs on purpose; the level tag keeps levels, repeats and arms apart."""
+        p = plan.prompt(i)
+        head = [LEAD, tag_words(self.run_id, level, repeat)] if self.unique_prefix else [LEAD]
+        head.append(self._group_prefix(p.group))
+        prefix = self.counter.fit(" ".join(head), max(1, self.prefix_tokens - self.overhead))
+        # fitted whole (a tokenizer may count the joint apart from the parts): the cut falls in the question
+        prompt = self.counter.fit(f"{prefix} {self._question(p.slot, p.question_tokens)}", self._target(p.input_tokens))
+        return RequestSpec(index=i, prompt=prompt, input_tokens=p.input_tokens, output_tokens=p.output_tokens,
+                           group=p.group)
+
     def request(self, i: int, level: float = 0, repeat: int = 0) -> RequestSpec:
+        if (plan := self.shared) is not None:
+            return self.shared_request(plan, i, level, repeat)
         text, in_t, out_t, group, messages = self.body(i)
         parts = [LEAD]
         if group is not None:
@@ -241,6 +279,12 @@ class PromptFactory:
         prompt set. Only what names the prompts: output targets are ``workload.output_tokens``' (a dataset's own
         are the dataset's), and a dataset row's input target is its text's, however a tokenizer counts it."""
         h = hashlib.sha256()
+        if (plan := self.shared) is not None:
+            for i in range(n):
+                p = plan.prompt(i)
+                h.update(json.dumps([self._question(p.slot, p.question_tokens), p.input_tokens, p.group]).encode())
+            h.update(json.dumps([self.prefix_tokens, self.prefix_groups, self.prompts_per_group]).encode())
+            return h.hexdigest()[:16]
         for i in range(n):
             text, in_t, _out_t, group, _ = self.body(i)
             h.update(json.dumps([text, in_t if self.dataset is None else None, group]).encode())

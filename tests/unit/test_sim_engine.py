@@ -152,7 +152,7 @@ def test_engine_invariants_across_models_and_settings(overrides):
 
     def submit(t: float) -> None:
         counts["submitted"] += 1
-        i, o = lengths.next()
+        i, o, _ = lengths.next()
         sim.submit(SimRequest(rid=counts["submitted"], arrival=t, prompt=i, max_out=o, tags={}), t)
 
     for _ in range(64):

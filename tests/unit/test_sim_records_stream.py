@@ -150,7 +150,7 @@ def test_no_request_is_kept_once_recorded(streamed: dict[str, Any]) -> None:
 def _eager(run: sim_run._LevelRun) -> None:
     """The old open loop's start: every scheduled request built and submitted before the clock starts (a function,
     not a subclass: the compiled ``_LevelRun`` is a native class)."""
-    specs = [(t, *run.lengths.next(), ()) for t in rate_schedule(run.plan, run.level, run.repeat)]
+    specs = [(t, *run.lengths.next()) for t in rate_schedule(run.plan, run.level, run.repeat)]
     run.arrivals = [t for t, *_ in specs]
     for t, i_tok, o_tok, hashes in specs:
         req = run.new_request(t, i_tok, o_tok, tuple(hashes))

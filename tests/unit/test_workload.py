@@ -70,7 +70,7 @@ def test_prompts_hit_the_target_exactly_with_a_tokenizer(tokenizer_json):
         assert counter.count(r.prompt) == r.input_tokens
     g = PromptFactory(seed=3, input_dist=parse_length(200), output_dist=parse_length(8), counter=counter, run_id="r",
                       prefix_tokens=64, prefix_groups=4)
-    assert all(counter.count(g.request(i, 2).prompt) == 200 for i in range(8))
+    assert all(counter.count(g.request(i, 2).prompt) == 64 + 200 == g.request(i, 2).input_tokens for i in range(8))
 
 
 def test_same_bodies_everywhere_fresh_nonce_per_level_repeat_and_run():
@@ -86,8 +86,9 @@ def test_same_bodies_everywhere_fresh_nonce_per_level_repeat_and_run():
     shared = PromptFactory(seed=0, input_dist=parse_length(40), output_dist=parse_length(4), run_id="x",
                            prefix_tokens=10, prefix_groups=2)
     r0, r2 = shared.request(0, 1).prompt.split(), shared.request(2, 1).prompt.split()
-    assert r0[:14] == r2[:14] and r0 != r2  # same group: lead, level tag (3 words) and prefix (10) are identical
-    assert r0[4:14] != shared.request(1, 1).prompt.split()[4:14]  # another group, another prefix
+    assert len(r0) == len(r2) == 10 + 40  # the prefix and the prompt's own tokens add up
+    assert r0[:10] == r2[:10] and r0[10:] != r2[10:]  # same group: lead, level tag and prefix words are identical
+    assert r0[4:10] != shared.request(1, 1).prompt.split()[4:10]  # another group, another prefix
 
 
 def test_dataset_rows(tmp_path):
