@@ -10,6 +10,8 @@ Modules: :mod:`~kvcap.serve.protocol` (request validation, SSE frames, usage, er
 :mod:`~kvcap.serve.metrics` (counters and /metrics text), :mod:`~kvcap.serve.app` (routes and startup),
 :mod:`~kvcap.serve.loop` (precise timers and event-loop helpers).
 
-Imports allowed: aiohttp, the standard library, :mod:`kvcap.units`, :mod:`kvcap.errors`, :mod:`kvcap.aio` and
-kvcap's version — never ``kvcap.sim``, ``kvcap.loadgen``, ``kvcap.testing`` or ``kvcap.cli``.
+Imports allowed: aiohttp, the standard library, :mod:`kvcap.units`, :mod:`kvcap.errors`, :mod:`kvcap.aio`,
+kvcap's version and :mod:`kvcap.workload.blocks` (standard library only: an engine with a prefix cache is fed the
+same block hashes the load generator and the simulator compute) — never ``kvcap.sim``, ``kvcap.loadgen``,
+``kvcap.testing`` or ``kvcap.cli``.
 """

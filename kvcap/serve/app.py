@@ -20,8 +20,9 @@ from kvcap.serve.engine import AnyEngine
 from kvcap.serve.faults import FaultPlan
 from kvcap.serve.generation import Generation
 from kvcap.serve.metrics import METRICS_CONTENT_TYPE, render_metrics
-from kvcap.serve.protocol import ApiConfig, BadRequest, count_prompt, error_body, parse_job
+from kvcap.serve.protocol import ApiConfig, BadRequest, count_prompt, error_body, parse_job, prompt_token_words
 from kvcap.serve.state import ServerState
+from kvcap.workload.blocks import prompt_block_hashes
 
 STATE: web.AppKey[ServerState] = web.AppKey("kvcap_serve_state")
 
@@ -41,6 +42,9 @@ def _make_generation_handler(chat: bool) -> Handler:
         except BadRequest as exc:
             state.counters.requests_rejected += 1
             return web.json_response(error_body(exc.status, exc.message, exc.err_type), status=exc.status)
+        if state.prefix_block_tokens is not None:
+            job.block_hashes = prompt_block_hashes(prompt_token_words(body, chat, state.api),
+                                                   state.prefix_block_tokens)
         job.index = state.next_index
         state.next_index += 1
         state.counters.requests_started += 1
@@ -98,11 +102,13 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def make_app(api: ApiConfig, engine: AnyEngine, faults: FaultPlan | None = None,
-             config: Mapping[str, Any] | None = None, middlewares: Iterable[Any] = ()) -> web.Application:
+             config: Mapping[str, Any] | None = None, middlewares: Iterable[Any] = (),
+             prompt_tokens_details: bool = False) -> web.Application:
     """The aiohttp application over ``engine``; start it with :func:`start_server` to get connection counting.
-    ``config`` is what /stats reports under ``config``; ``middlewares`` wrap every handler."""
+    ``config`` is what /stats reports under ``config``; ``middlewares`` wrap every handler;
+    ``prompt_tokens_details``: usage reports cached prompt tokens (vLLM's ``--enable-prompt-tokens-details``)."""
     app = web.Application(client_max_size=256 * 2**20, middlewares=list(middlewares))
-    state = ServerState(api, engine, faults, config)
+    state = ServerState(api, engine, faults, config, prompt_tokens_details)
     app[STATE] = state
     app.router.add_post("/v1/completions", _make_generation_handler(chat=False))
     app.router.add_post("/v1/chat/completions", _make_generation_handler(chat=True))

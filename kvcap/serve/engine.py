@@ -3,12 +3,13 @@
 Why: the same HTTP front end serves the batching test engine (``kvcap.testing``) and the simulator in real time
 (``kvcap serve-sim``); this is the whole contract between them. An engine hands out one opaque handle per
 request, says when that request holds ``n`` tokens, and reports its load for ``/stats`` and its metric families
-for ``/metrics``.
+for ``/metrics``. An engine with a prefix cache also implements :class:`PrefixCachingEngine`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -128,3 +129,22 @@ class Engine(Protocol[HandleT]):
 
 
 AnyEngine = Engine[Any]
+
+
+@runtime_checkable
+class PrefixCachingEngine(Protocol[HandleT]):
+    """An engine that may keep a prefix cache: what the front end needs besides :class:`Engine` to feed it the
+    prompt's block hashes (:func:`kvcap.workload.blocks.prompt_block_hashes`) and report the tokens it found."""
+
+    @property
+    def prefix_block_tokens(self) -> int | None:
+        """Tokens per cache block, or None when this engine keeps no prefix cache (then nothing is hashed)."""
+        ...
+
+    def submit_blocks(self, t_arrival: float, prompt_tokens: int, n_out: int, block_hashes: Sequence[int]) -> HandleT:
+        """:meth:`Engine.submit` with the chained hashes of the prompt's full blocks."""
+        ...
+
+    def cached_tokens(self, handle: HandleT) -> int:
+        """Prompt tokens the request found in the cache (0 until the engine looked them up)."""
+        ...

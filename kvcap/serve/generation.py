@@ -11,6 +11,7 @@ import asyncio
 
 from aiohttp import web
 
+from kvcap.serve.engine import PrefixCachingEngine
 from kvcap.serve.protocol import DONE, Job, SseFrames, completion_body, tokens_text
 from kvcap.serve.state import ServerState
 
@@ -49,7 +50,11 @@ class Generation:
             self._count_fault()
             self.state.counters.requests_aborted += 1
             return refusal
-        self.handle = engine.submit(job.t_arrival, job.prompt_tokens, job.n_out)
+        if job.block_hashes is not None:
+            assert isinstance(engine, PrefixCachingEngine)
+            self.handle = engine.submit_blocks(job.t_arrival, job.prompt_tokens, job.n_out, job.block_hashes)
+        else:
+            self.handle = engine.submit(job.t_arrival, job.prompt_tokens, job.n_out)
         self.state.counters.prompt_tokens_total += job.prompt_tokens
         try:
             resp = await (self._stream() if job.stream else self._whole())
@@ -57,6 +62,14 @@ class Generation:
         finally:
             engine.release(self.handle)
             self._finish()
+
+    def _cached_tokens(self) -> int:
+        """What usage reports as cached: the engine's count when the server reports it, else 0 (left out)."""
+        engine = self.state.engine
+        if not self.state.prompt_tokens_details or self.job.block_hashes is None:
+            return 0
+        assert isinstance(engine, PrefixCachingEngine)
+        return engine.cached_tokens(self.handle)
 
     async def _whole(self) -> web.StreamResponse | None:
         job, fault, engine = self.job, self.fault, self.state.engine
@@ -70,7 +83,7 @@ class Generation:
         await engine.wait(self.handle, n_out)
         self.sent = n_out
         self.ok = True
-        return web.json_response(completion_body(job, n_out))
+        return web.json_response(completion_body(job, n_out, self._cached_tokens()))
 
     async def _stream(self) -> web.StreamResponse:
         job, fault, engine, handle = self.job, self.fault, self.state.engine, self.handle
@@ -106,7 +119,7 @@ class Generation:
             await resp.write(frames.chunk(tokens_text(self.sent, stop), job.finish_reason if stop == n_out else None))
             self.sent = stop
         if job.include_usage:
-            await resp.write(frames.usage(job, self.sent))
+            await resp.write(frames.usage(job, self.sent, self._cached_tokens()))
         await resp.write(DONE)
         await resp.write_eof()
         self.ok = True

@@ -59,6 +59,8 @@ class Job:
     t_arrival: float
     created: int
     index: int = -1
+    block_hashes: list[int] | None = None
+    """The prompt's chained block hashes when the engine caches prefixes (else None: nothing was hashed)."""
 
 
 def count_text(text: str, tokenizer: str = "words") -> int:
@@ -84,6 +86,43 @@ def count_prompt(body: dict[str, Any], chat: bool, cfg: ApiConfig | None = None)
     if not isinstance(prompt, str):
         raise BadRequest(400, "prompt must be a string")
     return count_text(prompt, tokenizer) + overhead
+
+
+SPECIAL_TOKEN = "<|special{}|>"
+"""The text of the ``i``-th of the ``prompt_overhead`` tokens put before every text prompt (a BOS token, a chat
+template's): the same for every prompt, so they hash into the first block like any shared prefix."""
+
+
+def text_tokens(text: str, tokenizer: str = "words") -> list[str]:
+    """The tokens of ``text`` that :func:`count_text` counts: the words, or each word's 4-character pieces."""
+    if tokenizer == "chars4":
+        return [w[i:i + 4] for w in text.split() for i in range(0, len(w), 4)]
+    return text.split()
+
+
+def prompt_token_words(body: dict[str, Any], chat: bool, cfg: ApiConfig | None = None) -> list[str]:
+    """The prompt as the token sequence that :func:`count_prompt` counts (as long as its count), for hashing its
+    blocks: the overhead tokens first (text prompts), then the words of the prompt or of each message's content in
+    order; token ids as their decimal text. Call only on a body :func:`parse_job` accepted."""
+    tokenizer, overhead = (cfg.tokenizer, cfg.prompt_overhead) if cfg is not None else ("words", 0)
+    special = [SPECIAL_TOKEN.format(i) for i in range(overhead)]
+    if chat:
+        out = special
+        for m in body["messages"]:
+            content = m.get("content")
+            if isinstance(content, str):
+                out += text_tokens(content, tokenizer)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict):
+                        out += text_tokens(str(part.get("text", "")), tokenizer)
+        return out
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return [str(t) for t in prompt]
+        prompt = prompt[0]
+    return special + text_tokens(prompt, tokenizer)
 
 
 def _count_messages(messages: Any, tokenizer: str) -> int:
@@ -163,17 +202,23 @@ def tokens_text(start: int, stop: int) -> str:
     return "".join(token_text(i) for i in range(start, stop))
 
 
-def usage_block(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens}
+def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """vLLM's usage object. ``prompt_tokens_details`` only with cached tokens: vLLM adds it only when started with
+    ``--enable-prompt-tokens-details`` and only for a request that found some (the caller passes 0 otherwise)."""
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                         "completion_tokens": completion_tokens}
+    if cached_tokens:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
 
 
 def response_id(job: Job) -> str:
     return ("chatcmpl-fake" if job.chat else "cmpl-fake") + f"{job.index:024d}"
 
 
-def completion_body(job: Job, n_out: int) -> dict[str, Any]:
-    """The whole (non-streaming) response of a request that produced ``n_out`` tokens."""
+def completion_body(job: Job, n_out: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The whole (non-streaming) response of a request that produced ``n_out`` tokens (``cached_tokens``: see
+    :func:`usage_block`)."""
     text = tokens_text(0, n_out)
     if job.chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -184,7 +229,7 @@ def completion_body(job: Job, n_out: int) -> dict[str, Any]:
                   "stop_reason": None}
         obj = "text_completion"
     return {"id": response_id(job), "object": obj, "created": job.created, "model": job.model, "choices": [choice],
-            "usage": usage_block(job.prompt_tokens, n_out)}
+            "usage": usage_block(job.prompt_tokens, n_out, cached_tokens)}
 
 
 # --------------------------------------------------------------------------------------------------- SSE frames
@@ -218,8 +263,8 @@ class SseFrames:
         return (f'data: {self.head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
                 f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
 
-    def usage(self, job: Job, completion_tokens: int) -> bytes:
-        u = usage_block(job.prompt_tokens, completion_tokens)
+    def usage(self, job: Job, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+        u = usage_block(job.prompt_tokens, completion_tokens, cached_tokens)
         return f'data: {self.head}"choices":[],"usage":{json.dumps(u, separators=(",", ":"))}}}\n\n'.encode()
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from kvcap.serve.engine import AnyEngine
+from kvcap.serve.engine import AnyEngine, PrefixCachingEngine
 from kvcap.serve.faults import FaultPlan
 from kvcap.serve.loop import TIMERS
 from kvcap.serve.metrics import RequestCounters
@@ -22,12 +22,18 @@ from kvcap.serve.protocol import ApiConfig
 class ServerState:
     """Config, counters, engine and fault plan, shared by all handlers of one app.
 
-    ``config`` is what ``/stats`` reports under ``config`` (default: the API config)."""
+    ``config`` is what ``/stats`` reports under ``config`` (default: the API config). ``prefix_block_tokens``
+    is the engine's cache block size when it keeps a prefix cache (prompts are then hashed), else None;
+    ``prompt_tokens_details``: report a request's cached tokens in its usage, as vLLM's
+    ``--enable-prompt-tokens-details`` does."""
 
     def __init__(self, api: ApiConfig, engine: AnyEngine, faults: FaultPlan | None = None,
-                 config: Mapping[str, Any] | None = None) -> None:
+                 config: Mapping[str, Any] | None = None, prompt_tokens_details: bool = False) -> None:
         self.api = api
         self.engine = engine
+        self.prefix_block_tokens = (engine.prefix_block_tokens if isinstance(engine, PrefixCachingEngine)
+                                    else None)
+        self.prompt_tokens_details = prompt_tokens_details
         self.faults = faults
         self.config = dict(config) if config is not None else asdict(api)
         self.counters = RequestCounters(faults_injected=dict.fromkeys(faults.kinds, 0) if faults else {})

@@ -8,6 +8,10 @@ engine (:mod:`kvcap.testing.engines`, which states their timing truths), optiona
 (:mod:`kvcap.testing.faults`). ``--close-after-response`` says ``Connection: keep-alive`` but closes after every
 response (llama.cpp), which breaks clients that reuse pooled connections without retrying.
 
+``--prefix-cache-blocks N [--block-size T]`` gives either engine an exact prefix cache of ``N`` blocks of ``T``
+tokens (:mod:`kvcap.testing.prefix_cache`; off by default, so nothing is hashed and no time changes);
+``--enable-prompt-tokens-details`` adds a request's cached tokens to its usage, as vLLM's flag of that name does.
+
 One process sustains thousands of concurrent streams: no threads, chunk bytes are pre-serialized per request
 (only the token text is spliced in), and the batching engine wakes a stream only when its next chunk is ready.
 """
@@ -32,6 +36,7 @@ from kvcap.serve.loop import new_event_loop, raise_fd_limit
 from kvcap.serve.protocol import TOKENIZERS, ApiConfig
 from kvcap.testing.engines import BatchingEngine, FixedTimingEngine
 from kvcap.testing.faults import FAULT_KINDS, FaultRules, FaultSpec
+from kvcap.testing.prefix_cache import PrefixCache
 from kvcap.units import parse_duration
 
 
@@ -55,6 +60,14 @@ class ServerConfig:
     tokenizer: str = "words"
     prompt_overhead: int = 0
     tokenize: bool = True
+    prefix_cache_blocks: int | None = None
+    """Capacity of the prefix cache in blocks; None: no prefix cache."""
+    block_size: int = 16
+    """Tokens per prefix-cache block (vLLM's default block size)."""
+    prompt_tokens_details: bool = False
+    """Usage reports cached prompt tokens (vLLM's ``--enable-prompt-tokens-details``)."""
+
+    _PREFIX_KEYS = ("prefix_cache_blocks", "block_size", "prompt_tokens_details")
 
     @property
     def batching(self) -> bool:
@@ -67,14 +80,21 @@ class ServerConfig:
                          prompt_overhead=self.prompt_overhead, tokenize=self.tokenize)
 
     def engine(self) -> AnyEngine:
-        """A new engine for this config: batching with ``slots``, else fixed timing."""
+        """A new engine for this config: batching with ``slots``, else fixed timing; with a prefix cache if
+        ``prefix_cache_blocks`` is set."""
+        cache = (PrefixCache(self.prefix_cache_blocks, self.block_size) if self.prefix_cache_blocks is not None
+                 else None)
         if self.slots is not None:
-            return BatchingEngine(self.slots, self.step_a_s, self.step_b_s, self.prefill_per_token_s)
-        return FixedTimingEngine(self.ttft_s, self.itl_s)
+            return BatchingEngine(self.slots, self.step_a_s, self.step_b_s, self.prefill_per_token_s, cache)
+        return FixedTimingEngine(self.ttft_s, self.itl_s, cache)
 
     def as_json(self) -> dict[str, Any]:
-        """What /stats reports under ``config``."""
+        """What /stats reports under ``config``; the prefix-cache keys only when it is on (or usage details
+        are), so a server without one reports what it always did."""
         d = asdict(self)
+        if self.prefix_cache_blocks is None and not self.prompt_tokens_details:
+            for key in self._PREFIX_KEYS:
+                del d[key]
         d["faults"] = [asdict(f) for f in self.faults]
         d["mode"] = "batching" if self.batching else "fixed"
         return d
@@ -102,7 +122,8 @@ async def _keep_alive_header(request: web.Request, resp: web.StreamResponse) -> 
 def make_test_app(cfg: ServerConfig) -> web.Application:
     """The front end over this config's engine and fault rules."""
     app = make_app(cfg.api, cfg.engine(), FaultRules(cfg.faults, cfg.stall_max_s), cfg.as_json(),
-                   middlewares=[_close_after_response] if cfg.close_after_response else [])
+                   middlewares=[_close_after_response] if cfg.close_after_response else [],
+                   prompt_tokens_details=cfg.prompt_tokens_details)
     if cfg.close_after_response:
         app.on_response_prepare.append(_keep_alive_header)
     return app
@@ -158,16 +179,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-overhead", type=int, default=0,
                    help="tokens added to every prompt's count (as a BOS token or a chat template adds them)")
     p.add_argument("--no-tokenize", action="store_true", help="do not serve POST /tokenize")
+    p.add_argument("--prefix-cache-blocks", type=_positive_int, default=None,
+                   help="keep an exact prefix cache of N full prompt blocks, LRU (default: no prefix cache)")
+    p.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per prefix-cache block (16); needs --prefix-cache-blocks")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens when a request found cached tokens")
     return p
 
 
-def config_from_args(ns: argparse.Namespace) -> ServerConfig:
+def config_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> ServerConfig:
+    if ns.block_size is not None and ns.prefix_cache_blocks is None:
+        (parser or build_parser()).error("--block-size needs --prefix-cache-blocks")
     return ServerConfig(model_name=ns.model_name, ttft_s=ns.ttft, itl_s=ns.itl, tokens_per_chunk=ns.tokens_per_chunk,
                         eos_after=ns.eos_after, slots=ns.slots, step_a_s=ns.step_a, step_b_s=ns.step_b,
                         prefill_per_token_s=ns.prefill_per_token, faults=tuple(ns.fault),
                         close_after_response=ns.close_after_response, max_model_len=ns.max_model_len,
                         stall_max_s=ns.stall_max, tokenizer=ns.tokenizer, prompt_overhead=ns.prompt_overhead,
-                        tokenize=not ns.no_tokenize)
+                        tokenize=not ns.no_tokenize, prefix_cache_blocks=ns.prefix_cache_blocks,
+                        block_size=ns.block_size if ns.block_size is not None else 16,
+                        prompt_tokens_details=ns.enable_prompt_tokens_details)
 
 
 async def _serve(cfg: ServerConfig, host: str, port: int) -> None:
@@ -185,12 +216,14 @@ async def _serve(cfg: ServerConfig, host: str, port: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    cfg = config_from_args(ns, parser)
     host = ns.host if ns.host is not None else "127.0.0.1"
     raise_fd_limit()
     loop = new_event_loop()
     try:
-        loop.run_until_complete(_serve(config_from_args(ns), host, ns.port))
+        loop.run_until_complete(_serve(cfg, host, ns.port))
     except OSError as exc:
         print(f"error: cannot listen on {host}:{ns.port}: {exc}", file=sys.stderr)
         return 1
