@@ -99,6 +99,7 @@ def render_markdown(result: Comparison) -> str:
         out += ["", *_table(["level", "tok/s C", "tok/s T", "goodput C", "goodput T", "Δ goodput 95% CI",
                              "TTFT p95 C ms", "TTFT p95 T ms", "TPOT p95 C ms", "TPOT p95 T ms", "SLO C", "SLO T"],
                             rows, right=[False] + [True] * 9 + [False, False])]
+    out += _bullets("Treatment took effect", result.effect_evidence or [])
     out += _bullets("Diagnosis", [_finding(f) for f in result.diagnosis])
     summaries = result.summaries
     out += _bullets("Warnings", [*result.warnings, *(f"{arm}: {note}" for arm in ARMS if summaries is not None
