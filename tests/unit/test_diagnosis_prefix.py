@@ -194,3 +194,12 @@ def test_a_real_servers_counters_give_the_figure_and_the_recompute_bound(tmp_pat
     found = {f.bound: f for f in summary.diagnosis}
     assert "prefill_recompute" in found and "kv_capacity" not in found and "compute" not in found
     assert "fall from 60% at c=2 to 5%" in found["prefill_recompute"].evidence
+
+
+def test_the_markdown_report_shows_hit_rates_per_tier_beside_ttft():
+    from kvcap.report.markdown import render_markdown_single
+
+    text = render_markdown_single(_summary(lv(1, 100.0, 20.0, hbm=0.3, tier=0.125), lv(8, 100.0, 20.0)))
+    assert "| TTFT p95 ms | TPOT p95 ms | SLO | HBM hit % | tier hit % |" in text
+    assert text.count("| 30.0% | 12.5% |") == 1 and "| – | – |" in text
+    assert "hit %" not in render_markdown_single(_summary(lv(1, 100.0, 20.0)))  # no figure: the table as before
