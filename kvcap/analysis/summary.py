@@ -13,6 +13,7 @@ import numpy as np
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
+from kvcap.analysis.prefix_reuse import figure, from_counters, record_hits, shares_prefixes
 from kvcap.analysis.stats import check_slo, summarize_level
 from kvcap.analysis.telemetry_figures import telemetry_figures
 from kvcap.analysis.telemetry_nodes import imbalance
@@ -77,13 +78,20 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         levels.append(entry)
     for mode in {lv["mode"] for lv in levels}:
         apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])
+    hits = record_hits(run)
+    for w, (key, entry) in enumerate(zip(keys, levels)):
+        reuse = hits.levels.get(key, figure("records", 0, 0, 0)) if hits.levels else from_counters(
+            figures.increases(w))
+        if reuse is not None:
+            entry["prefix_reuse"] = reuse.to_json()
     capacity = capacities(levels, slo, figures.maxima(figures.resident), figures.maxima(figures.waiting))
     if figures.parked:
         capacity["resident_source"] = "telemetry:running+parked"
     summary = Summary.model_validate({
         "source": manifest.source if manifest else None, "arm": manifest.arm if manifest else None, "slo": slo,
         "limits": level_limits(manifest), "levels": levels, "capacity": capacity})
-    summary.diagnosis = diagnose(summary.levels, (manifest.arm if manifest else None) or "run")
+    summary.diagnosis = diagnose(summary.levels, (manifest.arm if manifest else None) or "run",
+                                 shared_prefixes=shares_prefixes(manifest))
     summary.warnings = input_length_warnings(manifest, summary.levels)
     return summary
 

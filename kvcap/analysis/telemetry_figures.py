@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import TrendSums
+from kvcap.analysis.prefix_reuse import COUNTERS
 from kvcap.analysis.telemetry import Series, Telemetry, read_telemetry, series_of
 from kvcap.analysis.telemetry_nodes import NodeFigures, Stat, cut, nodes, servers
 from kvcap.analysis.telemetry_slices import telemetry_slices
@@ -70,8 +71,8 @@ class TelemetryFigures:
             if s:
                 i = int(np.argmax(s.v))
                 out.append((float(s.t[i]), float(s.v[i])))
-        cluster = {name: cut(series_of(tel, name), lo, hi)
-                   for name in dict.fromkeys([n for _, n, _ in LEVEL_FIGURES] + ["server.preemptions_total"])}
+        names = [n for _, n, _ in LEVEL_FIGURES] + ["server.preemptions_total", *COUNTERS]
+        cluster = {name: cut(series_of(tel, name), lo, hi) for name in dict.fromkeys(names)}
         for w, (t0, t1) in enumerate(self.windows):
             stats = self.stats[w]
             for key, s in held.items():
@@ -101,6 +102,16 @@ class TelemetryFigures:
     def preemptions(self, w: int) -> float:
         s = self.stats[w].get("server.preemptions_total")
         return s.last - s.first if s is not None and s.n >= 2 else 0
+
+    def increases(self, w: int) -> dict[str, float]:
+        """The prefix and tier counters (``prefix_reuse.COUNTERS``) with two samples or more in window ``w``: each
+        one's increase over it (a reset, which only lowers the last value, counts as none)."""
+        out = {}
+        for name in COUNTERS:
+            s = self.stats[w].get(name)
+            if s is not None and s.n >= 2:
+                out[name] = max(s.last - s.first, 0.0)
+        return out
 
     def maxima(self, of: list[tuple[float, float]]) -> Series:
         """Each slice's maximum (and when): a series whose maximum, and whether any value reaches a bound, are the

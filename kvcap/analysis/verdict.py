@@ -15,6 +15,7 @@ import numpy as np
 
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
+from kvcap.analysis.prefix_reuse import records_hit_nothing, shares_prefixes, tier_on
 from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
 from kvcap.rundir.compare import (
@@ -224,18 +225,28 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     if ec and et and ec != et and control.goodput_tok_s > 0:
         efficiency = round((treatment.goodput_tok_s / control.goodput_tok_s - 1) / (et / ec - 1), 4)
     warnings = []
-    took_effect = treatment_took_effect(sc.levels, st.levels)
+    tiers = TierHits.of(sc, records_hit_nothing(rc)), TierHits.of(st, records_hit_nothing(rt))
+    held = treatment_took_effect(sc.levels, st.levels)
+    more_tier = tier_took_effect(*tiers)
+    took_effect = True if True in (held, more_tier) else False if False in (held, more_tier) else None
+    evidence = [tier_evidence(*tiers)] if more_tier else []
     if took_effect is False:
-        warnings.append("no server-side sign that the treatment took effect (no more requests running or parked)")
+        warnings.append("no server-side sign that the treatment took effect (no more requests running or parked"
+                        + (", no more tier-hit tokens)" if more_tier is False and held is not False else ")"))
     elif took_effect is None:
         warnings.append("no server telemetry in these runs (bench --metrics-url): cannot tell whether the treatment "
                         "took effect")
+    idle = idle_tier_warning(mt, tiers[1])
+    if idle:
+        warnings.append(idle)
     if not caliber.equal:
         warnings.append("fixed variables differ: " + ", ".join(d.key for d in caliber.differences))
     comparison = Comparison(verdict=verdict, control=control, treatment=treatment, goodput_gain=gain,
                             efficiency=efficiency, fixed_variables=caliber, input_lengths=lengths, slo=slo,
-                            per_level=per_level, treatment_took_effect=took_effect, warnings=warnings,
-                            diagnosis=diagnose(sc.levels, "control") + diagnose(st.levels, "treatment"))
+                            per_level=per_level, treatment_took_effect=took_effect,
+                            **({"effect_evidence": evidence} if evidence else {}), warnings=warnings,
+                            diagnosis=diagnose(sc.levels, "control", shared_prefixes=shares_prefixes(mc))
+                            + diagnose(st.levels, "treatment", shared_prefixes=shares_prefixes(mt)))
     comparison.summaries = ArmSummaries(control=sc, treatment=st)
     return comparison
 
@@ -288,3 +299,76 @@ def treatment_took_effect(control: list[LevelSummary], treatment: list[LevelSumm
     if not pairs:
         return None
     return any(b > a for a, b in pairs)
+
+
+class TierHits:
+    """One arm's prompt tokens loaded from a lower tier, summed over its levels' ``prefix_reuse`` figures (None:
+    unknown — no figure reports a tier and the records do not say they hit nothing)."""
+
+    def __init__(self, levels: dict[tuple[str, float], tuple[float, float, str]], known_zero: bool):
+        self.levels = levels
+        """(mode, level) → (tier-hit tokens, prompt tokens, source) of the levels that report a tier."""
+        self.known_zero = known_zero
+
+    @classmethod
+    def of(cls, summary: Summary, records_hit_nothing: bool) -> TierHits:
+        levels = {(lv.mode, float(lv.level)): (float(r.tier_hit_tokens), float(r.prompt_tokens), r.source)
+                  for lv in summary.levels if (r := lv.prefix_reuse) is not None and r.tier_hit_tokens is not None}
+        return cls(levels, records_hit_nothing and not levels)
+
+    def total(self, keys: set[tuple[str, float]] | None = None) -> tuple[float, float] | None:
+        """(tier-hit tokens, prompt tokens) over ``keys`` (every level reported when None); None when unknown."""
+        if self.known_zero:
+            return 0.0, 0.0
+        if not self.levels:
+            return None
+        rows = [v for k, v in self.levels.items() if keys is None or k in keys]
+        return sum(r[0] for r in rows), sum(r[1] for r in rows)
+
+    @property
+    def connector_seen(self) -> bool:
+        """The server's telemetry reports an offload connector (its counters, read into the figures)."""
+        return any(source == "telemetry" for _, _, source in self.levels.values())
+
+
+def _shared(control: TierHits, treatment: TierHits) -> set[tuple[str, float]] | None:
+    """The levels both arms report a tier for; None (every level) where one arm has none to match."""
+    both = set(control.levels) & set(treatment.levels)
+    return both or None
+
+
+def tier_took_effect(control: TierHits, treatment: TierHits) -> bool | None:
+    """True: more prompt tokens came from a lower tier in the treatment than in the control (at the levels both
+    report, else over every level); False: known for both and not more; None: unknown for either."""
+    keys = _shared(control, treatment)
+    c, t = control.total(keys), treatment.total(keys)
+    if c is None or t is None:
+        return None
+    return t[0] > c[0]
+
+
+def tier_evidence(control: TierHits, treatment: TierHits) -> str:
+    """The tier-hit evidence line, with its numbers."""
+    keys = _shared(control, treatment)
+    c, t = control.total(keys) or (0.0, 0.0), treatment.total(keys) or (0.0, 0.0)
+
+    def share(x: tuple[float, float]) -> str:
+        return f" ({x[0] / x[1]:.1%} of {x[1]:,.0f} prompt tokens)" if x[1] else ""
+
+    sources = sorted({s for arm in (control, treatment) for _, _, s in arm.levels.values()})
+    where = {"records": "the measured requests' records", "telemetry": "the server's tier counters"}
+    return (f"more prompt tokens loaded from a lower tier: {t[0]:,.0f} tier-hit tokens in the treatment"
+            f"{share(t)} vs {c[0]:,.0f} in the control{share(c)}, from "
+            + " and ".join(where.get(s, s) for s in sources))
+
+
+def idle_tier_warning(manifest: Manifest | None, hits: TierHits) -> str | None:
+    """A treatment that turns a tier on (its scenario's ``serving.kv_offload``, or the server's offload counters)
+    and loads no token from it: the tier saved no prefill, so any gain is parking alone."""
+    total = hits.total()
+    if total is None or total[0] > 0 or not (tier_on(manifest) or hits.connector_seen):
+        return None
+    offload = (manifest.fixed if manifest is not None else {}).get("serving.kv_offload")
+    on = f"serving.kv_offload={offload}" if tier_on(manifest) else "the server's offload counters"
+    return (f"tier on, no hit tokens: it cannot have saved work ({on}, 0 tier-hit tokens in the treatment's "
+            "measured windows): any gain is parked requests, not saved prefill")

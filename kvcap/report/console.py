@@ -185,6 +185,8 @@ def render_compare(result: Comparison, console: Console | None = None) -> None:
               + ("beyond noise" if g.beyond_noise else "inside the noise"))
     if result.efficiency is not None:
         con.print(f"efficiency (Δ goodput % / Δ effective %): {result.efficiency:.2f}")
+    for line in result.effect_evidence or []:
+        con.print(f"treatment took effect: {line}")
     lv = Table(title="Per level (control → treatment)", title_justify="left")
     parked = any(any(v for v in row.server_parked_max) for row in result.per_level)
     for col in ("level", "out tok/s", "goodput tok/s", "Δ goodput CI95", "TTFT p95 ms", "TPOT p95 ms", "SLO",

@@ -36,6 +36,10 @@ def _signed(v: Any) -> str:
     return f"{v:+,.1f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
 
 
+def _percent(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1%}"
+
+
 def _slo(ok: Any) -> str:
     return "–" if ok is None else "pass" if ok else "FAIL"
 
@@ -99,6 +103,7 @@ def render_markdown(result: Comparison) -> str:
         out += ["", *_table(["level", "tok/s C", "tok/s T", "goodput C", "goodput T", "Δ goodput 95% CI",
                              "TTFT p95 C ms", "TTFT p95 T ms", "TPOT p95 C ms", "TPOT p95 T ms", "SLO C", "SLO T"],
                             rows, right=[False] + [True] * 9 + [False, False])]
+    out += _bullets("Treatment took effect", result.effect_evidence or [])
     out += _bullets("Diagnosis", [_finding(f) for f in result.diagnosis])
     summaries = result.summaries
     out += _bullets("Warnings", [*result.warnings, *(f"{arm}: {note}" for arm in ARMS if summaries is not None
@@ -123,9 +128,15 @@ def render_markdown_single(summary: Summary) -> str:
              fmtm(lv.ttft_ms.p95), fmtm(lv.tpot_ms.p95),
              _slo(lv.slo_ok) + ("" if lv.slo_ok or not lv.failed_checks else " " + ", ".join(lv.failed_checks))]
             for lv in summary.levels]
+    head = ["level", "tok/s", "goodput", "TTFT p95 ms", "TPOT p95 ms", "SLO"]
+    right = [False, True, True, True, True, False]
+    if any(lv.prefix_reuse is not None for lv in summary.levels):  # hit rates per tier beside TTFT
+        head, right = [*head, "HBM hit %", "tier hit %"], [*right, True, True]
+        for row, lv in zip(rows, summary.levels):
+            r = lv.prefix_reuse
+            row += [_percent(r.hbm_hit_rate if r else None), _percent(r.tier_hit_rate if r else None)]
     if rows:
-        out += ["", *_table(["level", "tok/s", "goodput", "TTFT p95 ms", "TPOT p95 ms", "SLO"], rows,
-                            right=[False, True, True, True, True, False])]
+        out += ["", *_table(head, rows, right=right)]
     out += _bullets("Diagnosis", [_finding(f) for f in summary.diagnosis])
     client = summary.client.warnings if summary.client is not None else []
     out += _bullets("Warnings", [*client, *run_notes(summary)])

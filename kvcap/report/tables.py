@@ -68,7 +68,8 @@ def _gain_lines(result: Comparison) -> list[str]:
                      "effective capacity; 1 = proportional)</span>")
     took = result.treatment_took_effect
     lines.append("treatment took effect on the server: "
-                 + esc({True: "yes (more requests running at the same level)", False: "NO sign of it",
+                 + esc("yes: " + "; ".join(result.effect_evidence) if took and result.effect_evidence else
+                       {True: "yes (more requests running at the same level)", False: "NO sign of it",
                         None: "unknown (no server telemetry)"}[took]))
     if result.slo:
         lines.append(f"SLO: {esc(format_slo(result.slo))}")

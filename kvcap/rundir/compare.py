@@ -122,7 +122,11 @@ class Comparison(RunModel):
     slo: dict[str, float] = Field(description="the SLO both arms were judged against")
     per_level: list[LevelPair] = Field(description="the levels both arms ran")
     treatment_took_effect: bool | None = Field(description="server telemetry shows more requests held by the "
-                                                           "treatment at some level; None without telemetry")
+                                                           "treatment at some level, or more prompt tokens served "
+                                                           "from a lower tier; None without either")
+    effect_evidence: list[str] | None = Field(default=None, description="what shows the treatment took effect, "
+                                                                        "with its numbers (absent: only the "
+                                                                        "held-requests sign, or none)")
     warnings: list[str] = Field(description="what the reader must know")
     diagnosis: list[Finding] = Field(description="both arms' findings")
     schedule: list[ScheduledRepeat] | None = Field(default=None, description="ab against real endpoints: the arms' "

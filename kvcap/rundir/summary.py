@@ -98,6 +98,25 @@ class Imbalance(RunModel):
     replicas: int | None = Field(default=None, description="servers (replicas) that could share the load")
 
 
+class PrefixReuse(RunModel):
+    """A level's prompt tokens and the part of them served from a cache instead of computed: the HBM prefix cache
+    and a lower KV tier (an offload connector). From the records where they carry hit counts (every measured
+    request that succeeded, all repeats), else from the server's counters' increase over the level's window.
+    Absent from a level whose run has neither."""
+
+    source: str = Field(description="'records' or 'telemetry'")
+    prompt_tokens: Number = Field(description="prompt tokens (records: their input tokens; telemetry: the prefix "
+                                              "cache's queried tokens, else the prompt-token counter)")
+    hbm_hit_tokens: Number | None = Field(default=None, description="prompt tokens found in the HBM prefix cache "
+                                                                    "(None: not reported)")
+    tier_hit_tokens: Number | None = Field(default=None, description="prompt tokens loaded from a lower KV tier "
+                                                                     "(None: no tier reported)")
+    tier_query_tokens: Number | None = Field(default=None, description="telemetry: tokens the tier was asked for "
+                                                                       "(None: not reported)")
+    hbm_hit_rate: float | None = Field(default=None, description="hbm_hit_tokens / prompt_tokens")
+    tier_hit_rate: float | None = Field(default=None, description="tier_hit_tokens / prompt_tokens")
+
+
 class LevelSummary(RunModel):
     """One (mode, level) over its repeats: counts, throughput, goodput, latency percentiles, the conditions it
     fails, and the server's telemetry over its measured windows (those keys absent without telemetry).
@@ -166,6 +185,9 @@ class LevelSummary(RunModel):
                                                                "proportional gain from the previous level")
     stationarity: Stationarity = Field(default_factory=Stationarity, description="condition (c)")
     preemptions: Number | None = Field(default=None, description="server preemptions during the window")
+    prefix_reuse: PrefixReuse | None = Field(default=None, description="prompt tokens served from the HBM prefix "
+                                                                       "cache and from a lower tier (absent: no "
+                                                                       "such data, or none ever hit)")
 
 
 class ScalingPoint(RunModel):
@@ -204,8 +226,8 @@ class Finding(RunModel):
     """What bounds an arm, and which way to scale (``analysis.diagnosis``)."""
 
     arm: str = Field(description="the arm (or 'run')")
-    bound: str = Field(description="'client', 'kv_capacity', 'compute', 'interconnect', 'imbalance' or "
-                                   "'none_seen'")
+    bound: str = Field(description="'client', 'prefill_recompute', 'kv_capacity', 'compute', 'interconnect', "
+                                   "'imbalance' or 'none_seen'")
     evidence: str = Field(description="the numbers that show it")
     direction: str = Field(description="which way to scale")
 
