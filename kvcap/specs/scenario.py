@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kvcap.errors import InputError
 from kvcap.specs.calibration import CalibrationSection
@@ -106,6 +113,10 @@ class StepCost(Strict):
     0: no such cost (vLLM's front end is asynchronous)."""
 
 
+HOST_TIER_DEFAULTS: dict[str, Any] = {"host_kv_tokens": None, "host_kv_scope": "node"}
+"""ServingSpec keys left out of its serialisation at these values (see ``ServingSpec._quiet_defaults``)."""
+
+
 class ServingSpec(Strict):
     engine: Engine = "vllm"
     """Scheduling rules: ``vllm`` (paged KV, continuous batching) or ``llamacpp`` (fixed slots, split KV)."""
@@ -171,6 +182,16 @@ class ServingSpec(Strict):
             raise ValueError("a per-replica host tier needs its size: host_kv_capacity (bytes per replica) or "
                              "host_kv_tokens")
         return self
+
+    @model_serializer(mode="wrap")
+    def _quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The host tier's scope and token size appear (in manifests, A/B fixed variables) only where set: a
+        scenario that uses neither serialises as it did before they existed."""
+        data = handler(self)
+        for key, default in HOST_TIER_DEFAULTS.items():
+            if key in data and data[key] == default:
+                del data[key]
+        return data
 
     @field_validator("reserve", mode="before")
     @classmethod
