@@ -51,9 +51,14 @@ class ClusterModel:
             bw = cl.remote_memory_bandwidth
             pool = (links.add(Link("pool", "pool", bw, bw * inter.efficiency, inter.latency_s)),)
         tiers: dict[str, list[Tier]] = {}
+        host_per_replica = sv.host_kv_scope == "replica"
         for t in p.tiers:
-            if t.name == "host":
-                tiers["host"] = [Tier("host", t.capacity_bytes / cl.nodes) for _ in range(cl.nodes)]
+            if t.name == "host" and host_per_replica:
+                tiers["host"] = [Tier("host", replica_host_bytes(sc, p.kv_bytes_per_token)) for _ in range(p.replicas)]
+            elif t.name == "host":
+                per_node = (sv.host_kv_tokens * p.kv_bytes_per_token if sv.host_kv_tokens is not None
+                            else t.capacity_bytes / cl.nodes)
+                tiers["host"] = [Tier("host", per_node) for _ in range(cl.nodes)]
             elif t.name == "remote":
                 tiers["remote"] = [Tier("remote", t.capacity_bytes)]
         cost = _cost(self)
@@ -77,9 +82,19 @@ class ClusterModel:
                 max_model_len=inputs.model.max_position_embeddings or None))
         overhead = sv.step_cost.per_request if sv.step_cost is not None else 0.0
         sim = Simulation(configs, tiers, links, policy, routing=sv.routing, pool_links=pool, on_finish=on_finish,
-                         request_overhead_s=overhead)
+                         request_overhead_s=overhead, host_per_replica=host_per_replica)
         sim.max_span = self.max_span
         return sim
+
+
+def replica_host_bytes(sc: Scenario, kv_bytes_per_token: float) -> float:
+    """One replica's own host tier (``host_kv_scope: replica``): ``host_kv_tokens`` of the replica's KV, or
+    ``host_kv_capacity`` bytes (the spec refuses a per-replica tier with neither)."""
+    sv = sc.serving
+    if sv.host_kv_tokens is not None:
+        return sv.host_kv_tokens * kv_bytes_per_token
+    assert sv.host_kv_capacity is not None
+    return float(sv.host_kv_capacity)
 
 
 def _cost(cm: ClusterModel) -> StepCostModel:

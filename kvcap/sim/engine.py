@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,109 @@ from kvcap.sim.replica_state import ReplicaConfig
 from kvcap.sim.request import SimRequest
 from kvcap.sim.tiers import ReplicaTiers
 
+ROUTER_BLOCK_TOKENS = 16
+"""Tokens per block the llm-d prefix index hashes (``blockSizeTokens``: vLLM's block)."""
+ROUTER_MAX_PREFIX_BLOCKS = 256
+"""Leading blocks of a prompt the index looks at (``maxPrefixBlocksToMatch``); the rest is never indexed."""
+
+
+class PrefixIndex:
+    """The router's guess of the prefixes one replica holds in one tier, as llm-d's approximate prefix-cache
+    producer keeps it: an LRU of the block hashes the router itself sent there (no word from the engine), at
+    most ``capacity`` entries. Its score for a prompt is the share of the prompt's indexed blocks that match
+    from the start."""
+
+    __slots__ = ("capacity", "lru")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.lru: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Leading hashes present (looking does not refresh them)."""
+        lru, n = self.lru, 0
+        for h in hashes:
+            if h not in lru:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: Sequence[int]) -> None:
+        """The router sent these here: each becomes the newest entry, the oldest go past ``capacity``."""
+        lru = self.lru
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+
+class PrefixAwareRouter:
+    """llm-d's endpoint picker as its tiered-prefix-cache guide configures it (llm-d/llm-d
+    ``guides/tiered-prefix-cache/router/single-host/tiered-prefix-cache-cpu.values.yaml``; scorers from
+    gateway-api-inference-extension and llm-d-inference-scheduler): every replica gets the sum, each at weight 1
+    (the guide's 1:1:1:1:1), of
+
+    * queue: (longest waiting queue − its own) / (longest − shortest), 1 where all are equal;
+    * KV utilisation: 1 − the share of its HBM blocks held by requests;
+    * GPU prefix: leading indexed blocks matched / blocks indexed, from a :class:`PrefixIndex` as large as the
+      replica's HBM pool (the producer's ``autoTune`` reads ``num_gpu_blocks``);
+    * tier prefix (only where the replica has an offload tier): the same from an index as large as the replica's
+      share of the tier (the guide sets ``lruCapacityPerServer`` to the CPU pool);
+    * no-hit LRU: for a request no index matches at all, 1 for the replica least recently sent such a request
+      down to 0 for the most recent (cold prefills spread out); 0.5 for every replica otherwise;
+
+    and the highest sum wins (lowest index among equals, where llm-d's picker draws at random). The chosen
+    replica's indexes then record the request's indexed blocks."""
+
+    def __init__(self, replicas: list[Replica], tier_tokens: list[float]) -> None:
+        self.replicas = replicas
+        self.gpu = [PrefixIndex(r.cfg.blocks * r.cfg.block_size // max(1, r.cfg.hash_block_tokens))
+                    for r in replicas]
+        self.tier = [PrefixIndex(int(t) // max(1, r.cfg.hash_block_tokens)) if t > 0 else None
+                     for r, t in zip(replicas, tier_tokens)]
+        self.cold_order = list(range(len(replicas)))
+        """Replicas by the last time they got a request no index matched: least recent first."""
+
+    def indexed(self, req: SimRequest, hbt: int) -> tuple[int, ...]:
+        """The request's hashes the index sees: whole prompt blocks, at most the match limit's tokens."""
+        if not req.hashes or hbt <= 0:
+            return ()
+        limit = max(1, ROUTER_MAX_PREFIX_BLOCKS * ROUTER_BLOCK_TOKENS // hbt)
+        return req.hashes[: min(req.prompt // hbt, limit)]
+
+    def pick(self, req: SimRequest) -> Replica:
+        reps = self.replicas
+        hashes = self.indexed(req, reps[0].cfg.hash_block_tokens)
+        total = len(hashes)
+        queues = [len(r.waiting) for r in reps]
+        lo, hi = min(queues), max(queues)
+        gpu = [ix.match(hashes) / total if total else 0.0 for ix in self.gpu]
+        tier = [ix.match(hashes) / total if total and ix is not None else 0.0 for ix in self.tier]
+        cold = not any(gpu) and not any(tier)
+        n = len(reps)
+        no_hit = [0.5] * n
+        if cold:
+            for pos, i in enumerate(self.cold_order):
+                no_hit[i] = 1.0 - pos / (n - 1) if n > 1 else 1.0
+        best, best_score = 0, -math.inf
+        for i, rep in enumerate(reps):
+            score = (1.0 if hi == lo else (hi - queues[i]) / (hi - lo)) + (1.0 - rep.hbm.usage()) \
+                + gpu[i] + tier[i] + no_hit[i]
+            if score > best_score:
+                best, best_score = i, score
+        if hashes:
+            self.gpu[best].add(hashes)
+            ix = self.tier[best]
+            if ix is not None:
+                ix.add(hashes)
+        if cold:
+            self.cold_order.remove(best)
+            self.cold_order.append(best)
+        return reps[best]
+
 
 class Simulation(ClusterHooks):
     """The cluster: replicas, tiers, links and the event heap; a load driver feeds it requests. Each replica gets
@@ -34,15 +138,19 @@ class Simulation(ClusterHooks):
     def __init__(self, configs: list[ReplicaConfig], tiers: dict[str, list[Tier]], links: LinkSet,
                  policy: Callable[[], SchedulingPolicy], routing: str = "least_loaded",
                  pool_links: tuple[Link, ...] = (), on_finish: Callable[[SimRequest, float], None] | None = None,
-                 request_overhead_s: float = 0.0):
+                 request_overhead_s: float = 0.0, host_per_replica: bool = False):
         self.links = links
         self.request_overhead_s = request_overhead_s
         """Each request reaches its replica's scheduler this long after it arrives (``step_cost.per_request``)."""
         self.tiers = tiers
         """``host``: one Tier per node; ``remote``: one shared Tier (the pool)."""
         self.pool_links = pool_links
-        self.replicas = [Replica(i, c, policy(), self._tiers_of(c), self) for i, c in enumerate(configs)]
+        self.host_per_replica = host_per_replica
+        """``tiers["host"]`` holds one Tier per replica (vLLM's per-instance CPU pool), not one per node."""
+        self.replicas = [Replica(i, c, policy(), self._tiers_of(i, c), self) for i, c in enumerate(configs)]
         self.routing = routing
+        self.prefix_router = PrefixAwareRouter(self.replicas, self._tier_tokens()) \
+            if routing == "prefix_aware" else None
         self.heap: list[tuple[float, int, EventKind, Any, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -60,11 +168,26 @@ class Simulation(ClusterHooks):
         self._submitted: list[float] = []
         """Times of the ``submit``-ted arrivals still in the heap (a min-heap: ``arrival_due`` reads its head)."""
 
-    def _tiers_of(self, cfg: ReplicaConfig) -> ReplicaTiers:
-        """A replica's view of the tiers: its node's host RAM, the remote pool, and its links to them."""
-        host = self.tiers["host"][cfg.node] if "host" in self.tiers else None
+    def _tiers_of(self, index: int, cfg: ReplicaConfig) -> ReplicaTiers:
+        """A replica's view of the tiers: its node's host RAM (or its own), the remote pool, and its links."""
+        host = self.tiers["host"][index if self.host_per_replica else cfg.node] if "host" in self.tiers else None
         remote = self.tiers["remote"][0] if "remote" in self.tiers else None
         return ReplicaTiers(host, remote, cfg.host_link, cfg.nic_links, self.pool_links)
+
+    def _tier_tokens(self) -> list[float]:
+        """Each replica's share, in KV tokens, of the tier its prefixes go to (0: none): a tier several replicas
+        share is split evenly between them."""
+        sharing: dict[int, int] = {}
+        for rep in self.replicas:
+            tier = rep.tiers.prefix_tier()
+            if tier is not None:
+                sharing[id(tier)] = sharing.get(id(tier), 0) + 1
+        out = []
+        for rep in self.replicas:
+            tier = rep.tiers.prefix_tier()
+            per_token = rep.cfg.kv_bytes_per_token
+            out.append(tier.capacity / per_token / sharing[id(tier)] if tier is not None and per_token > 0 else 0.0)
+        return out
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: EventKind, obj: Any, version: int = 0) -> None:
@@ -174,7 +297,7 @@ class Simulation(ClusterHooks):
         """Whether a request arriving now could go to replica ``index`` (False only where the routing rule says it
         goes elsewhere: the least loaded replica, or round robin's next, is another one)."""
         reps = self.replicas
-        if len(reps) == 1 or self.routing == "kv_aware":
+        if len(reps) == 1 or self.routing in ("kv_aware", "prefix_aware"):
             return True
         if self.routing == "round_robin":
             return (self.rr + 1) % len(reps) == index
@@ -189,6 +312,8 @@ class Simulation(ClusterHooks):
             return reps[self.rr]
         if self.routing == "kv_aware" and req.hashes:
             return max(reps, key=lambda r: (r.hbm.hit_blocks(req), -r.load(), -r.index))
+        if self.prefix_router is not None:
+            return self.prefix_router.pick(req)
         return self._least_loaded()
 
     def _least_loaded(self) -> Replica:

@@ -1,8 +1,9 @@
 """The offload tiers one replica may copy KV to, and the links a copy to each crosses.
 
-Why an object of its own: which tier a copy goes to (host RAM of the replica's node first, then the remote pool)
-and over which links is fixed when the cluster is built; the cluster hands each replica its view, so the
-replica asks it instead of asking the cluster, and the tiers' bytes stay shared where the tiers are.
+Why an object of its own: which tier a copy goes to (host RAM first: its node's, or its own with
+``host_kv_scope: replica``; then the remote pool) and over which links is fixed when the cluster is built;
+the cluster hands each replica its view, so the replica asks it instead of asking the cluster, and the tiers'
+bytes stay shared where the tiers are.
 """
 
 from __future__ import annotations

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kvcap.errors import InputError
 from kvcap.specs.calibration import CalibrationSection
@@ -106,6 +113,10 @@ class StepCost(Strict):
     0: no such cost (vLLM's front end is asynchronous)."""
 
 
+HOST_TIER_DEFAULTS: dict[str, Any] = {"host_kv_tokens": None, "host_kv_scope": "node"}
+"""ServingSpec keys left out of its serialisation at these values (see ``ServingSpec._quiet_defaults``)."""
+
+
 class ServingSpec(Strict):
     engine: Engine = "vllm"
     """Scheduling rules: ``vllm`` (paged KV, continuous batching) or ``llamacpp`` (fixed slots, split KV)."""
@@ -122,7 +133,15 @@ class ServingSpec(Strict):
     that hashes its prompts as vLLM does (``benchmarks/published.py``'s sessions) uses ``block_size``."""
     kv_offload: KvOffload = "none"
     host_kv_capacity: Size | None = None
-    """Host RAM per node given to offloaded KV; default half of cluster.host_memory."""
+    """Host RAM given to offloaded KV, per node (``host_kv_scope: node``; default half of cluster.host_memory) or
+    per replica (``host_kv_scope: replica``)."""
+    host_kv_tokens: int | None = Field(default=None, ge=1)
+    """The host tier's capacity in KV tokens instead of bytes (per node or per replica, as ``host_kv_scope``
+    says): what a pool stated in tokens (or vLLM's ``num_cpu_blocks`` × block size) holds."""
+    host_kv_scope: Literal["node", "replica"] = "node"
+    """Who shares a host tier: ``node`` (one pool per node, its replicas share it) or ``replica`` (each engine
+    instance has a pool of its own, as vLLM's native CPU offloading gives each instance its
+    ``cpu_bytes_to_use`` / ``kv_offloading_size``)."""
     runtime_overhead: Size = 650 * 2**20
     """Non-KV, non-weight, non-activation GPU memory (CUDA/cuBLAS/NCCL workspaces, allocator slack, graphs)."""
     reserve: int = Field(default=0, ge=0)
@@ -130,8 +149,10 @@ class ServingSpec(Strict):
     offload_admission: Literal["tiers", "hbm"] = "tiers"
     """With an offload tier: ``tiers`` admits past HBM (prefill, first token, park the KV in the tier until HBM has
     room for the whole sequence to decode); ``hbm`` keeps vLLM's rule (tiers hold preempted KV and prefixes)."""
-    routing: Literal["round_robin", "least_loaded", "kv_aware"] = "least_loaded"
-    """How requests are spread over replicas (kv_aware: the longest cached prefix, then the least loaded)."""
+    routing: Literal["round_robin", "least_loaded", "kv_aware", "prefix_aware"] = "least_loaded"
+    """How requests are spread over replicas (kv_aware: the longest cached prefix, then the least loaded;
+    prefix_aware: llm-d's endpoint picker, a sum of queue, KV-utilisation, GPU-prefix, tier-prefix and
+    cold-request scorers, see :mod:`kvcap.sim.engine`)."""
     kv_tokens: int | None = Field(default=None, ge=1)
     """KV pool per replica in tokens, when known (vLLM num_gpu_blocks × block_size, llama.cpp --ctx-size):
     replaces the memory arithmetic; llamacpp splits it evenly over its max_num_seqs slots."""
@@ -148,6 +169,29 @@ class ServingSpec(Strict):
             raise ValueError(f"kv_tokens={self.kv_tokens} is fewer than the {self.max_num_seqs} llamacpp slots "
                              "(each slot needs at least one token)")
         return self
+
+    @model_validator(mode="after")
+    def _host_tier_sized(self) -> ServingSpec:
+        host = "host" in self.tiers
+        if self.host_kv_tokens is not None and self.host_kv_capacity is not None:
+            raise ValueError("host_kv_capacity and host_kv_tokens both size the host tier: give one")
+        if not host and (self.host_kv_scope != "node" or self.host_kv_tokens is not None):
+            raise ValueError(f"host_kv_scope / host_kv_tokens describe a host tier, but kv_offload={self.kv_offload} "
+                             "has none (use kv_offload host or host+remote)")
+        if self.host_kv_scope == "replica" and self.host_kv_capacity is None and self.host_kv_tokens is None:
+            raise ValueError("a per-replica host tier needs its size: host_kv_capacity (bytes per replica) or "
+                             "host_kv_tokens")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The host tier's scope and token size appear (in manifests, A/B fixed variables) only where set: a
+        scenario that uses neither serialises as it did before they existed."""
+        data = handler(self)
+        for key, default in HOST_TIER_DEFAULTS.items():
+            if key in data and data[key] == default:
+                del data[key]
+        return data
 
     @field_validator("reserve", mode="before")
     @classmethod

@@ -1,0 +1,43 @@
+"""The llm-d tiered prefix-cache A/B in short (fewer requests): what the design guarantees, not the published
+figures (``benchmarks/tier_fidelity.py`` compares those). The control has no tier, so it serves nothing from one;
+the treatment stores every computed prefix in its replicas' CPU pools and serves repeats from them; a tier can
+only add hits, so the treatment's knee is never below the control's."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.tier_fidelity import compare, knee, published, simulate
+from kvcap.specs.load import WorkloadSpec
+from tests.unit.test_prefix_routing import TREATMENT, llmd, replay, shared_prefix_trace
+
+
+def test_engine_treatment_serves_from_its_tier_and_control_never_does():
+    """The scenario's cluster and router on a shared-prefix trace with the published shape, scaled down
+    (40 groups × 5 prompts, a 4,000-token prefix, two passes): repeats of a group hit HBM or the tier."""
+    trace = shared_prefix_trace(groups=40, per_group=5, prefix_blocks=250, question_blocks=16, rounds=2, rate=10.0)
+    hits = {}
+    for arm, overrides in (("control", {}), ("treatment", TREATMENT)):
+        done, sim = replay(llmd(**overrides, **{"serving.kv_tokens": 10_000}), trace)
+        assert len(done) == len(trace) and not any(r.error for r in done)
+        hits[arm] = (sum(r.hit_hbm for r in done), sum(r.hit_tier for r in done))
+        if arm == "treatment":
+            assert all(rep.tiers.host is not None and rep.tiers.host.prefix for rep in sim.replicas)
+    assert hits["control"][1] == 0
+    assert hits["treatment"][1] > 0
+    assert sum(hits["treatment"]) > sum(hits["control"])
+
+
+@pytest.mark.skipif("prompts_per_group" not in WorkloadSpec.model_fields,
+                    reason="the shared-prefix workload (workload.prompts_per_group) is not in this checkout")
+def test_kvcap_sim_of_both_arms_short():
+    """Both arms through ``kvcap sim`` at the published stages, 10 s each."""
+    pub = published()
+    stages = [float(s["qps"]) for s in pub["stages"]]
+    sim = simulate(stages, duration="10s")
+    assert all(sim["control"][q]["hit_tier"] == 0 for q in stages)
+    assert all(sim["treatment"][q]["hit_tier"] > 0 for q in stages)
+    limit = float(pub["knee_p90_ttft_s"])
+    kc, kt = knee(sim["control"], limit), knee(sim["treatment"], limit)
+    assert (kt or 0) >= (kc or 0)
+    assert len(compare(pub, sim)["rows"]) == len(stages)
