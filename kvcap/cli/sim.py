@@ -78,6 +78,11 @@ def add_load_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=common.positive_int)
     g.add_argument("--input-tokens", metavar="DIST", help="N | uniform:a,b | normal:m,sd | lognormal:m,sd")
     g.add_argument("--output-tokens", metavar="DIST")
+    g.add_argument("--prefix-tokens", type=int, metavar="N",
+                   help="a system prompt shared per group, before each prompt's --input-tokens (as bench's)")
+    g.add_argument("--prefix-groups", type=int, metavar="N", help="number of shared-prefix groups")
+    g.add_argument("--prompts-per-group", type=int, metavar="N",
+                   help="distinct questions per group, shuffled once and cycled (default: every request its own)")
     g.add_argument("--seed", type=int, help="length and arrival seed (default: the scenario's load.seed, 0)")
     common.add_slo_flag(g, help="e.g. ttft_p95=500ms,tpot_p95=80ms (default: the scenario's)")
     common.add_set_flag(g)
@@ -97,7 +102,8 @@ def sim_overrides(a: argparse.Namespace) -> dict[str, Any]:
     flags = {"load.arrival": a.arrival, "load.warmup": a.warmup, "load.duration": a.duration,
              "load.requests": a.requests, "load.repeats": a.repeats, "load.seed": a.seed,
              "workload.input_tokens": a.input_tokens,
-             "workload.output_tokens": a.output_tokens}
+             "workload.output_tokens": a.output_tokens, "workload.prefix_tokens": a.prefix_tokens,
+             "workload.prefix_groups": a.prefix_groups, "workload.prompts_per_group": a.prompts_per_group}
     out.update({k: v for k, v in flags.items() if v is not None})
     return out
 
