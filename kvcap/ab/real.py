@@ -62,7 +62,7 @@ def _bench_config(exp: Experiment, arm: ArmSpec, out: Path, repeat: int, origin:
     wl = exp.workload
     return BenchConfig(target=target, plan=plan, out=out, input_dist=wl.input_dist, output_dist=wl.output_dist,
                        prefix_tokens=wl.prefix_tokens, prefix_groups=wl.prefix_groups,
-                       prompts_per_group=wl.prompts_per_group, metrics_urls=metrics,
+                       prompts_per_group=wl.prompts_per_group, unique_prefix=wl.unique_prefix, metrics_urls=metrics,
                        slo=parse_slo(exp.slo), arm=arm.name, fixed=fixed,
                        under_test=sorted({*exp.arms[0].vary, *exp.arms[1].vary}),
                        append=repeat > 0, overwrite=repeat == 0, origin=origin, prometheus=exp.prometheus)

@@ -46,6 +46,7 @@ from kvcap.sim.policy_llamacpp import REQUESTED_OUT
 from kvcap.sim.request import SimRequest
 from kvcap.sim.rounding import round_to
 from kvcap.sim.sampler import Sampler
+from kvcap.sim.warm import CachedPrefixes, cached_prefixes, restore
 from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import Scenario, scenario_noting
 from kvcap.workload.loadplan import LoadPlan, rate_offsets, trace_schedule
@@ -114,6 +115,8 @@ def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> Manifest:
         fixed.update(prompt_parts(wl.prefix_tokens, wl.prompts_per_group))
     else:
         fixed.pop("workload.prompts_per_group", None)  # only shared-prefix workloads have prompts per group
+    if wl.unique_prefix:
+        fixed.pop("workload.unique_prefix", None)  # stated only where levels share their caches
     fixed.update({"workload.input_tokens": wl.input_dist.spec, "workload.output_tokens": wl.output_dist.spec,
                   "model.name": cm.inputs.model.name, "server.engine": "kvcap-sim", "server.version": __version__,
                   "load.trace": Path(cfg.trace_file).name if cfg.trace_file else None, **cfg.plan.manifest()})
@@ -409,17 +412,30 @@ class _LevelRun:
 def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, offset: float,
                    writer: RunWriter, record_itl: bool = True, full_telemetry: bool = False,
                    columns: RecordColumns | None = None,
-                   telemetry_copy: TelemetryWriter | None = None) -> tuple[dict[str, Any], float]:
+                   telemetry_copy: TelemetryWriter | None = None,
+                   carried: CarriedCaches | None = None) -> tuple[dict[str, Any], float]:
     """One level (one repeat) on a fresh cluster; returns its levels.jsonl line and its simulated length.
-    ``columns``: the records' column copy, taken as they are written; ``telemetry_copy``: the telemetry rows'."""
+    ``columns``: the records' column copy, taken as they are written; ``telemetry_copy``: the telemetry rows';
+    ``carried``: the prefix caches the level starts with and, at its end, leaves for the next."""
     run = _LevelRun(cm, plan, level, repeat, offset, writer, record_itl, full_telemetry, columns, telemetry_copy)
+    if carried is not None and carried.left is not None:
+        restore(run.sim, carried.left)
     run.start_load()
     wall0 = time.perf_counter()
     t_end, cancelled = run.run()
     wall = time.perf_counter() - wall0
     info = run.info(t_end, wall, len(cancelled))
     writer.level(info)
+    if carried is not None:
+        carried.left = cached_prefixes(run.sim)
     return info, t_end
+
+
+@dataclass
+class CarriedCaches:
+    """Levels run back to back on one server (``workload.unique_prefix`` false): what the last level left."""
+
+    left: CachedPrefixes | None = None
 
 
 def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> Summary:
@@ -434,11 +450,12 @@ def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = 
     columns = RecordColumns(ColumnWriter(cfg.out / REQUESTS))
     telemetry_copy = TelemetryWriter(cfg.out / TELEMETRY)
     wall0 = time.perf_counter()
+    carried = None if cfg.scenario.workload.unique_prefix else CarriedCaches()
     try:
         for repeat in range(cfg.plan.first_repeat, cfg.plan.first_repeat + cfg.plan.repeats):
             for level in cfg.plan.levels:
                 info, length = simulate_level(cm, cfg.plan, level, repeat, offset, writer, cfg.record_itl,
-                                              cfg.full_telemetry, columns, telemetry_copy)
+                                              cfg.full_telemetry, columns, telemetry_copy, carried)
                 infos.append(info)
                 if progress is not None:
                     progress(info)

@@ -51,6 +51,11 @@ class WorkloadSpec(Strict):
     prompts_per_group: int | None = Field(default=None, ge=1)
     """Distinct questions per group, sent shuffled and cycled as inference-perf's ``shared_prefix`` does (so a
     whole prompt recurs every ``prefix_groups × prompts_per_group`` requests); unset: every request its own."""
+    unique_prefix: bool = True
+    """Prompts differ from one level (and repeat) to the next, so no cache carries work across them (``bench``'s
+    default). False: the same prompts at every level, sent back to back to one server, as inference-perf's
+    stages do — ``bench`` sends them so (``--no-unique-prefix``) and ``sim`` starts each level with the
+    prefixes the previous one left cached (:mod:`kvcap.sim.warm`)."""
 
     @model_validator(mode="after")
     def _prefix_pair(self) -> WorkloadSpec:
