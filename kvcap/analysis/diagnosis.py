@@ -6,7 +6,9 @@
   tokens: ``LevelSummary.prefix_reuse``) falls short of the reuse the workload holds. Short means: reuse was seen
   (a lower level's cached share at least ``REUSE_SHARE``) and this level's share is at most ``SHORT_FRACTION`` of
   that peak; or the workload declares shared prefixes (prefix groups, a trace) and the share is under
-  ``DECLARED_SHORT``. The reused part of prompts is computed again: a prefix tier that holds it can help.
+  ``DECLARED_SHORT``, or, where the workload says how much of each prompt is its group's prefix (shared-prefix
+  groups), under ``SHORT_FRACTION`` of that share. The reused part of prompts is computed again: a prefix tier
+  that holds it can help.
 - KV capacity: requests queue (server waiting > 0, or TTFT jumps) while the per-token time stays flat → the
   GPU had compute to spare; more KV memory (VRAM, host or remote offload) is likely to help.
 - compute: the per-token time grows with the batch while nothing queues → "GPU busy, VRAM to spare": more
@@ -45,9 +47,11 @@ def _p(lv: LevelSummary, metric: str, q: str = "p50") -> float | None:
     return value
 
 
-def diagnose(summary_levels: list[LevelSummary], arm: str = "run", shared_prefixes: bool = False) -> list[Finding]:
+def diagnose(summary_levels: list[LevelSummary], arm: str = "run", shared_prefixes: bool = False,
+             reusable: float | None = None) -> list[Finding]:
     """Findings (arm, bound, evidence, direction) for one run's summary levels (bench or sim alike);
-    ``shared_prefixes``: the workload declares prompts that share prefixes (``prefix_reuse.shares_prefixes``)."""
+    ``shared_prefixes``: the workload declares prompts that share prefixes (``prefix_reuse.shares_prefixes``);
+    ``reusable``: the share of prompt tokens that is a shared prefix, where known (``prefix_reuse.reusable_share``)."""
     levels = sorted([lv for lv in summary_levels if (lv.ok or 0) > 0], key=lambda x: x.level)
     out: list[Finding] = []
     if len(levels) < 2:
@@ -57,7 +61,7 @@ def diagnose(summary_levels: list[LevelSummary], arm: str = "run", shared_prefix
                and law.ratio_to_concurrency is not None and law.ratio_to_concurrency < 0.85]
     if warn or lagging:
         ev = "; ".join(warn) if warn else (
-            f"in flight {lagging[0][1].in_flight:.1f} at c={lagging[0][0].level} "
+            f"in flight {lagging[0][1].in_flight:.1f} at {_at(lagging[0][0])} "
             f"(ratio {lagging[0][1].ratio_to_concurrency:.2f})")
         out.append(Finding(arm=arm, bound="client", evidence=ev,
                            direction="the load generator limited the run: use --workers or a bigger client host "
@@ -68,7 +72,7 @@ def diagnose(summary_levels: list[LevelSummary], arm: str = "run", shared_prefix
     waiting = [lv for lv in levels if (lv.server_waiting_mean or 0) >= QUEUED_WAITING]
     queued = waiting or [lv for lv in levels
                          if tt0 and (tt := _p(lv, "ttft")) and tt > 2 * tt0 + 5 * (tp0 or 0)]
-    recompute = _recompute(levels, queued, waiting, shared_prefixes, arm)
+    recompute = _recompute(levels, queued, waiting, shared_prefixes, arm, reusable)
     if recompute is not None:
         out.append(recompute)
         return out + _link(levels, arm) + _imbalance(levels, arm)
@@ -87,19 +91,19 @@ def diagnose(summary_levels: list[LevelSummary], arm: str = "run", shared_prefix
         if queued and growth <= TPOT_FLAT:
             q = queued[0]
             src = (f"server waiting {q.server_waiting_mean or 0:.1f} on average" if q in waiting
-                   else f"TTFT p50 {_p(q, 'ttft') or 0:.0f} ms vs {tt0:.0f} ms at c={first.level}")
+                   else f"TTFT p50 {_p(q, 'ttft') or 0:.0f} ms vs {tt0:.0f} ms at {_at(first)}")
             out.append(Finding(arm=arm, bound="kv_capacity",
-                               evidence=f"from c={q.level} requests queue ({src}) while TPOT p50 stays "
-                                        f"{tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from c={first.level} to "
-                                        f"c={last.level}",
+                               evidence=f"from {_at(q)} requests queue ({src}) while TPOT p50 stays "
+                                        f"{tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from {_at(first)} to "
+                                        f"{_at(last)}",
                                direction=PARK_ONLY if no_reuse else
                                "compute has headroom and requests wait for KV room: more KV memory "
                                "(VRAM, host or remote offload) is likely to raise stable concurrency, if "
                                "the link to it keeps up"))
         elif growth >= TPOT_GROWS:
             running = [lv.server_running_max for lv in levels]
-            ev = (f"TPOT p50 grows {tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from c={first.level} to "
-                  f"c={last.level}")
+            ev = (f"TPOT p50 grows {tp0:.1f} → {tp1:.1f} ms (×{growth:.2f}) from {_at(first)} to "
+                  f"{_at(last)}")
             if all(r is not None for r in running):
                 ev += f" with {running[-1]:.0f} requests running"
             if tt0 and tt1:
@@ -116,7 +120,7 @@ def diagnose(summary_levels: list[LevelSummary], arm: str = "run", shared_prefix
     out += _imbalance(levels, arm)
     if not out:
         out.append(Finding(arm=arm, bound="none_seen",
-                           evidence=f"TPOT p50 {tp0} → {tp1} ms, no queueing seen up to c={last.level}",
+                           evidence=f"TPOT p50 {tp0} → {tp1} ms, no queueing seen up to {_at(last)}",
                            direction="no bottleneck reached: extend the sweep to higher load"))
     return out
 
@@ -126,7 +130,7 @@ KV_FULL = 0.9
 
 
 def _recompute(levels: list[LevelSummary], queued: list[LevelSummary], waiting: list[LevelSummary],
-               shared_prefixes: bool, arm: str) -> Finding | None:
+               shared_prefixes: bool, arm: str, reusable: float | None = None) -> Finding | None:
     """The prefill-recompute bound (the module's rule): the first queueing level whose cached share falls short."""
     shares = [hit_share(lv.prefix_reuse) for lv in levels]
     for q in queued:
@@ -143,6 +147,9 @@ def _recompute(levels: list[LevelSummary], queued: list[LevelSummary], waiting: 
         if peak is not None and at_peak is not None and peak >= REUSE_SHARE and share <= SHORT_FRACTION * peak:
             ev = (f"from {_at(q)} requests queue ({src}) while the prompt tokens served from a cache fall from "
                   f"{peak:.0%} at {_at(at_peak)} to {share:.0%} ({cached})")
+        elif reusable is not None and share < SHORT_FRACTION * reusable:
+            ev = (f"from {_at(q)} requests queue ({src}) while {reusable:.0%} of each prompt is its group's shared "
+                  f"prefix and only {share:.0%} of prompt tokens are served from a cache ({cached})")
         elif shared_prefixes and share < DECLARED_SHORT:
             ev = (f"from {_at(q)} requests queue ({src}) while the workload shares prefixes and only {share:.0%} of "
                   f"prompt tokens are served from a cache ({cached})")
@@ -181,14 +188,14 @@ def _kv_full(levels: list[LevelSummary]) -> Finding | None:
         before = levels[i - 1] if i else lv
         tp_a, tp_b = _p(before, "tpot"), _p(levels[-1], "tpot")
         parked = lv.server_parked_mean or 0
-        ev = (f"from c={lv.level} the KV cache is {kv:.0%} full with "
+        ev = (f"from {_at(lv)} the KV cache is {kv:.0%} full with "
               f"{lv.server_waiting_mean or 0:.1f} requests waiting")
         if parked:
             ev += f" and {parked:.1f} parked in a lower tier"
         if lv.server_running_max is not None:
             ev += f"; at most {lv.server_running_max:.0f} run (decode) at once"
         if tp_a and tp_b:
-            ev += f"; TPOT p50 {tp_a:.1f} → {tp_b:.1f} ms from c={before.level} to c={levels[-1].level}"
+            ev += f"; TPOT p50 {tp_a:.1f} → {tp_b:.1f} ms from {_at(before)} to {_at(levels[-1])}"
         if parked >= 0.5:
             direction = ("the offload tier holds the extra requests but only HBM-resident ones decode: it raises "
                          "resident capacity, not stable concurrency; more KV room in HBM (fp8 KV cache, a GQA model, "

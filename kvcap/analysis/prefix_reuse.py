@@ -15,9 +15,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcap.errors import InputError
 from kvcap.rundir import REQUESTS, RunDir, iter_jsonl
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.summary import PrefixReuse
+from kvcap.specs.lengths import parse_length
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,22 @@ def shares_prefixes(manifest: Manifest | None) -> bool:
     fixed = manifest.fixed if manifest is not None else {}
     groups = fixed.get("workload.prefix_groups") or 0
     return (isinstance(groups, (int, float)) and groups > 0) or fixed.get("load.mode") == "trace"
+
+
+def reusable_share(manifest: Manifest | None) -> float | None:
+    """The share of a shared-prefix workload's prompt tokens that is its group's system prompt (what a cache big
+    enough for every prefix serves, past each group's first request); None for other workloads."""
+    fixed = manifest.fixed if manifest is not None else {}
+    prefix, groups = fixed.get("workload.prefix_tokens") or 0, fixed.get("workload.prefix_groups") or 0
+    spec = fixed.get("workload.input_tokens")
+    if not (isinstance(prefix, int) and isinstance(groups, int) and prefix > 0 and groups > 0) or spec is None:
+        return None
+    try:
+        own = parse_length(spec).mean
+    except InputError:
+        return None
+    total = prefix + own if "workload.prompt" in fixed else max(own, prefix)  # older runs cut the prefix inside
+    return prefix / total if total > 0 else None
 
 
 def tier_on(manifest: Manifest | None) -> bool:

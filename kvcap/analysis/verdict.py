@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
-from kvcap.analysis.prefix_reuse import records_hit_nothing, shares_prefixes, tier_on
+from kvcap.analysis.prefix_reuse import records_hit_nothing, reusable_share, shares_prefixes, tier_on
 from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
 from kvcap.rundir.compare import (
@@ -245,8 +245,10 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
                             efficiency=efficiency, fixed_variables=caliber, input_lengths=lengths, slo=slo,
                             per_level=per_level, treatment_took_effect=took_effect,
                             **({"effect_evidence": evidence} if evidence else {}), warnings=warnings,
-                            diagnosis=diagnose(sc.levels, "control", shared_prefixes=shares_prefixes(mc))
-                            + diagnose(st.levels, "treatment", shared_prefixes=shares_prefixes(mt)))
+                            diagnosis=diagnose(sc.levels, "control", shared_prefixes=shares_prefixes(mc),
+                                               reusable=reusable_share(mc))
+                            + diagnose(st.levels, "treatment", shared_prefixes=shares_prefixes(mt),
+                                       reusable=reusable_share(mt)))
     comparison.summaries = ArmSummaries(control=sc, treatment=st)
     return comparison
 
