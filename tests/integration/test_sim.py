@@ -236,10 +236,16 @@ def test_sim_missing_scenario_is_exit_2(tmp_path):
 def test_demo_gives_the_verdict_and_the_report(tmp_path):
     out = tmp_path / "demo"
     p = run_cli("demo", "--out", str(out), "--set", "load.repeats=2", "--set", "load.duration=30s",
-                "--set", "load.concurrency=[16,48,96]")
+                "--set", "load.concurrency=[16,24,48,96]")
     assert p.returncode == 0, p.stderr
     assert "verdict: capacity-only" in p.stdout
     assert str(out / "report.html") in p.stdout
+    answers = p.stdout[p.stdout.index("The article's two answers"):]
+    assert "(the article's workload): capacity-only" in answers
+    assert "(prefix reuse): performance-scaling" in answers
+    prefix = json.loads((out / "prefix-reuse" / "compare.json").read_text())
+    assert prefix["verdict"] == "performance-scaling"
+    assert prefix["treatment"]["effective"] > (prefix["control"]["effective"] or 0)
     result = json.loads((out / "compare.json").read_text())
     assert result["verdict"] == "capacity-only"
     c, t = result["control"], result["treatment"]

@@ -169,4 +169,5 @@ def test_a_command_that_simulated_says_when_the_sources_ran(tmp_path: Path, pure
     assert p.returncode == 0, p.stderr[-2000:]
     said = "kvcap demo: note: the simulator ran from its Python sources, about half as fast: KVCAP_PURE is set"
     assert said in p.stderr if pure else "Python sources" not in p.stderr
-    assert json.loads(p.stdout)["verdict"]
+    both = json.loads(p.stdout)
+    assert both["reference"]["verdict"] and both["prefix_reuse"]["verdict"]
