@@ -215,8 +215,9 @@ class _Lengths:
         """(input tokens, output tokens, hash ids: none)."""
         if not self.buf:
             n = 4096
-            self.buf = list(zip(self.i.sample(n, self.rng).tolist(), self.o.sample(n, self.rng).tolist(),
-                                [()] * n))[::-1]
+            none: tuple[int, ...] = ()
+            self.buf = [(i, o, none) for i, o in zip(self.i.sample(n, self.rng).tolist(),
+                                                     self.o.sample(n, self.rng).tolist())][::-1]
         return self.buf.pop()
 
 
