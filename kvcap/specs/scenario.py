@@ -187,7 +187,7 @@ class ServingSpec(Strict):
     def _quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The host tier's scope and token size appear (in manifests, A/B fixed variables) only where set: a
         scenario that uses neither serialises as it did before they existed."""
-        data = handler(self)
+        data: dict[str, Any] = handler(self)
         for key, default in HOST_TIER_DEFAULTS.items():
             if key in data and data[key] == default:
                 del data[key]
