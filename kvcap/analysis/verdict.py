@@ -48,10 +48,12 @@ limit theorem) instead of resampling: ``BOOTSTRAP`` × n resampled indices grow 
 MEASURED_INPUT = "requests.input_tokens_mean"
 """Not a manifest key: each arm's mean input tokens as its records (the server's usage) say."""
 _LENGTH_SOURCES = ("workload.input_tokens", "workload.dataset", "workload.tokenizer", "load.seed", "load.mode",
-                   "load.trace_rows")
+                   "load.trace_rows", "workload.prefix_tokens")
 DERIVED: dict[str, tuple[str, ...]] = {
     "workload.prompt_set": ("workload.input_tokens", "workload.dataset", "workload.prefix_tokens",
-                            "workload.prefix_groups", "load.seed"),
+                            "workload.prefix_groups", "workload.prompts_per_group", "load.seed"),
+    "workload.prompt": ("workload.prefix_tokens", "workload.dataset"),  # what a shared-prefix prompt is made of
+    "workload.prompts_per_group": ("workload.dataset",),  # stated only for generated shared-prefix prompts
     "workload.input_tokens_measured": _LENGTH_SOURCES,
     MEASURED_INPUT: _LENGTH_SOURCES,
     "workload.input_tokens": ("workload.dataset",),  # a dataset's prompts have no asked length

@@ -117,18 +117,24 @@ async def _run_real_ab(exp: Any, out: Path, quiet: bool) -> Comparison:
     return await common.with_live_progress(quiet, lambda progress: run_experiment(exp, out, progress, stop))
 
 
-def run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, quiet: bool, prog: str = "ab") -> int:
-    """Simulates both arms of a scenario experiment (`--set` applies to both), compares, reports and prints."""
+def run_sim_ab(exp: Any, out_dir: str, sets: list[str] | None, as_json: bool, quiet: bool, prog: str | None = "ab",
+               show: bool = True) -> int:
+    """Simulates both arms of a scenario experiment (`--set` applies to both), compares, reports and prints
+    (``show`` False: writes only; ``prog`` None: the caller says whether the compiled simulator ran)."""
     from kvcap.ab.simulated import run_sim_experiment
     from kvcap.specs.scenario import parse_set
 
     out = Path(out_dir)
     t0 = time.perf_counter()
-    show = None if (quiet or as_json) else (lambda arm, info: level_line(f"{arm}: ")(info))
-    result = run_sim_experiment(exp, out, parse_set(sets), progress=show)
+    progress = None if (quiet or as_json or not show) else (lambda arm, info: level_line(f"{arm}: ")(info))
+    result = run_sim_experiment(exp, out, parse_set(sets), progress=progress)
+    if not show:
+        _write_report(result, out)
+        return 0
     _write_and_show(result, out, as_json, footer=lambda: f"simulated both arms in {time.perf_counter() - t0:.1f} s; "
                                                          f"report: {out / 'report.html'}")
-    common.print_build_note(prog)
+    if prog is not None:
+        common.print_build_note(prog)
     return 0
 
 

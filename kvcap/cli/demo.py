@@ -50,7 +50,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     prefix_out = Path(a.out) / PREFIX_DIR
     for name, out in (("seed-reference-ab.yaml", Path(a.out)), ("seed-reference-prefix-ab.yaml", prefix_out)):
         exp = load_any_experiment(str(packaged_scenario(name)))
-        run_sim_ab(exp, str(out), a.set, False, a.quiet or a.json, prog="demo")
+        run_sim_ab(exp, str(out), a.set, False, a.quiet, prog=None, show=not a.json)
+    common.print_build_note("demo")
     reference, prefix = read_comparison(Path(a.out) / "compare.json"), read_comparison(prefix_out / "compare.json")
     if a.json:
         common.print_json({"reference": common.comparison_json(reference),

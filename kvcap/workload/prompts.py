@@ -282,7 +282,8 @@ class PromptFactory:
         if (plan := self.shared) is not None:
             for i in range(n):
                 p = plan.prompt(i)
-                h.update(json.dumps([self._question(p.slot, p.question_tokens), p.input_tokens, p.group]).encode())
+                # the plan, not the fitted words: the same prompts whatever counts their tokens
+                h.update(json.dumps([self.seed, p.group, p.slot, p.input_tokens]).encode())
             h.update(json.dumps([self.prefix_tokens, self.prefix_groups, self.prompts_per_group]).encode())
             return h.hexdigest()[:16]
         for i in range(n):

@@ -33,6 +33,7 @@ PAIRS: dict[str, tuple[dict[str, str | None], dict[str, str | None]]] = {
     "workload.dataset": (BASE, {"--dataset": "@dataset"}),
     "workload.prefix_tokens": (BASE, {"--prefix-tokens": "4"}),
     "workload.prefix_groups": (BASE, {"--prefix-groups": "3"}),
+    "workload.prompts_per_group": (BASE, {"--prompts-per-group": "2"}),
     "workload.unique_prefix": (BASE, {"--no-unique-prefix": None}),
     "workload.tokenizer": (BASE, {"--tokenizer": "@tokenizer"}),
     "decoding.temperature": (BASE, {"--temperature": "0.7"}),
@@ -57,7 +58,7 @@ PAIRS: dict[str, tuple[dict[str, str | None], dict[str, str | None]]] = {
 NO_FLAG = {"target.url", "server.engine", "server.version", "client.host"}
 """Fixed keys no bench flag sets (the URL is not a fixed variable: two arms are two servers)."""
 DERIVED_ONLY = {"workload.prompt_set", "workload.input_tokens_measured", "load.trace_requests", "load.trace",
-                "workload.dataset_sha256"}
+                "workload.dataset_sha256", "workload.prompt"}
 """Fixed keys that only follow others: the prompt set and measured lengths move with input_tokens, dataset, prefix
 and seed; the trace's row count with its rows; its one level (``load.trace``) is its speed; the dataset's digest
 with its file."""

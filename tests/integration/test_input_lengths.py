@@ -70,10 +70,13 @@ def test_a_length_distribution_is_met_request_by_request(tmp_path):
     with start_fake_server(ttft="2ms", itl="1ms", **CHARS4) as srv:
         bench(srv.url, tmp_path / "run", "--concurrency", "4", "--input-tokens", "uniform:20,300", "--requests", "24",
               "--prefix-tokens", "16", "--prefix-groups", "2", "--seed", "5")
-    asked = PromptFactory(seed=5, input_dist=parse_length("uniform:20,300"), output_dist=parse_length(3))
+    asked = PromptFactory(seed=5, input_dist=parse_length("uniform:20,300"), output_dist=parse_length(3),
+                          prefix_tokens=16, prefix_groups=2)
     recs = RunDir(tmp_path / "run").records()
     assert len(recs) == 24
-    assert all(r["input_tokens"] == asked.body(r["index"])[1] for r in recs)
+    # each prompt is its group's 16-token prefix plus its own drawn length, as the server counts them
+    assert all(r["input_tokens"] == 16 + asked.body(r["index"])[1] == asked.request(r["index"]).input_tokens
+               for r in recs)
 
 
 def test_workers_get_the_calibration(tmp_path):

@@ -5,10 +5,7 @@ only add hits, so the treatment's knee is never below the control's."""
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks.tier_fidelity import compare, knee, published, simulate
-from kvcap.specs.load import WorkloadSpec
 from tests.unit.test_prefix_routing import TREATMENT, llmd, replay, shared_prefix_trace
 
 
@@ -28,15 +25,14 @@ def test_engine_treatment_serves_from_its_tier_and_control_never_does():
     assert sum(hits["treatment"]) > sum(hits["control"])
 
 
-@pytest.mark.skipif("prompts_per_group" not in WorkloadSpec.model_fields,
-                    reason="the shared-prefix workload (workload.prompts_per_group) is not in this checkout")
 def test_kvcap_sim_of_both_arms_short():
     """Both arms through ``kvcap sim`` at the published stages, 10 s each."""
     pub = published()
     stages = [float(s["qps"]) for s in pub["stages"]]
     sim = simulate(stages, duration="10s")
     assert all(sim["control"][q]["hit_tier"] == 0 for q in stages)
-    assert all(sim["treatment"][q]["hit_tier"] > 0 for q in stages)
+    # the first stage may find every prefix still in HBM; once HBM has let prefixes go, the tier serves them
+    assert sim["treatment"][stages[-1]]["hit_tier"] > 0
     limit = float(pub["knee_p90_ttft_s"])
     kc, kt = knee(sim["control"], limit), knee(sim["treatment"], limit)
     assert (kt or 0) >= (kc or 0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,9 @@ from kvcap.sim.cluster import cluster_model
 from kvcap.sim.engine import PrefixIndex
 from kvcap.sim.request import SimRequest
 from kvcap.specs.scenario import apply_overrides, build_scenario, read_yaml
+from tests.conftest import ROOT
 
-SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "llmd-tiered-prefix-cache.yaml"
+SCENARIO = ROOT / "scenarios" / "llmd-tiered-prefix-cache.yaml"
 TREATMENT = {"serving.kv_offload": "host", "serving.host_kv_scope": "replica", "serving.host_kv_tokens": 1_312_000}
 
 
