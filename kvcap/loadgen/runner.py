@@ -33,7 +33,7 @@ from kvcap.loadgen.monitor import LoopMonitor
 from kvcap.rundir import RecordTags, RequestRecord
 from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 from kvcap.workload.prompts import PromptFactory, RequestSpec, TokenCounter
-from kvcap.workload.sessions import SessionPlan, session_quota
+from kvcap.workload.sessions import SessionPlan, session_quota, session_schedule_plan
 
 
 class Sink(Protocol):
@@ -320,6 +320,8 @@ class Runner:
                 return self.factory.trace_request(k, r.input_tokens, r.output_tokens, r.hash_ids, level=level,
                                                   repeat=repeat)
             return offsets, trace_request
+        if (sessions := self.factory.sessions) is not None:  # the arrivals of sessions
+            return rate_schedule(session_schedule_plan(p, sessions.turns), level, repeat), self.factory.request
         return rate_schedule(p, level, repeat), lambda k: self.factory.request(k, level=level, repeat=repeat)
 
     async def _open(self, session: aiohttp.ClientSession, level: float, repeat: int, t_start: float) -> dict:

@@ -55,7 +55,13 @@ from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import Scenario, scenario_noting
 from kvcap.workload.loadplan import LoadPlan, rate_offsets, trace_schedule
 from kvcap.workload.reuse import SharedPrefixPlan, prompt_parts, shared_prefix_plan
-from kvcap.workload.sessions import SessionPlan, session_parts, session_plan, session_quota
+from kvcap.workload.sessions import (
+    SessionPlan,
+    session_parts,
+    session_plan,
+    session_quota,
+    session_schedule_plan,
+)
 
 LEVEL_GAP_S = 1.0
 REFUSED_IN_A_ROW = 10_000
@@ -391,7 +397,8 @@ class _LevelRun:
             self.trace_rows, offsets = trace_schedule(self.plan)
             self.arrivals = offsets
         else:
-            self.arrivals = array("d", rate_offsets(self.plan, self.level, self.repeat).tobytes())
+            plan = self.plan if self.sessions is None else session_schedule_plan(self.plan, self.sessions.turns)
+            self.arrivals = array("d", rate_offsets(plan, self.level, self.repeat).tobytes())
         # the schedule is counted now (rid = position + 1, as if each were sent now); each request is built only
         # when it arrives (Simulation.feed), so memory holds the schedule's times and the requests in flight
         times = np.asarray(self.arrivals, float)  # a view of an open loop's array, no copy

@@ -24,12 +24,13 @@ matches nothing. Sessions share nothing but a group prefix.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
 
 from kvcap.specs.lengths import LengthDist
+from kvcap.workload.loadplan import LoadPlan
 from kvcap.workload.reuse import block_id
 
 SESSION_STREAM = 3_000_017
@@ -129,6 +130,12 @@ def session_quota(requests: int | None, turns: int) -> int | None:
     """Sessions a level with a request count starts in its measured window: ``requests`` counts turns, rounded up
     to whole sessions (every started session sends all its turns)."""
     return None if requests is None else math.ceil(requests / turns)
+
+
+def session_schedule_plan(plan: LoadPlan, turns: int) -> LoadPlan:
+    """An open loop's plan for its session arrivals: a request count (turns) becomes whole sessions, as the closed
+    loop counts it (:func:`session_quota`); the schedule is otherwise the same generator and seed."""
+    return replace(plan, requests=session_quota(plan.requests, turns))
 
 
 def session_parts(turns: int, think_time_s: float, prefix_tokens: int) -> dict[str, object]:
