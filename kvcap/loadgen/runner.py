@@ -320,7 +320,7 @@ class Runner:
                 return self.factory.trace_request(k, r.input_tokens, r.output_tokens, r.hash_ids, level=level,
                                                   repeat=repeat)
             return offsets, trace_request
-        if (sessions := self.factory.sessions) is not None:  # the arrivals of sessions
+        if (sessions := self.factory.sessions) is not None:  # session arrivals; their turns are built by _session
             return rate_schedule(session_schedule_plan(p, sessions.turns), level, repeat), self.factory.request
         return rate_schedule(p, level, repeat), lambda k: self.factory.request(k, level=level, repeat=repeat)
 
