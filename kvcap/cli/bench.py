@@ -108,6 +108,11 @@ def _add_request_flags(g: common.Flags) -> None:
                         "(default: every request its own)")
     g.add_argument("--no-unique-prefix", action="store_true",
                    help="do not make prompts unique per run/level (lets a prompt cache hit across runs)")
+    g.add_argument("--turns", type=int, default=1, metavar="N",
+                   help="multi-turn sessions of N turns: each turn sends every earlier question and planned answer "
+                        "plus a new --input-tokens question (1: single requests)")
+    g.add_argument("--think-time", default="0", metavar="DURATION",
+                   help="a session's wait after a turn's last token before its next turn (e.g. 2s, 500ms)")
 
 
 def _add_output_flags(g: common.Flags) -> None:
@@ -172,6 +177,9 @@ def _bench_config(a: argparse.Namespace) -> Any:
     plan = LoadPlan.from_spec(load, trace=trace, trace_speed=a.trace_speed, max_inflight=a.max_inflight,
                               drain_timeout_s=timeout)
     workload = _workload_spec(a)
+    if workload.turns > 1 and (a.trace or a.dataset):
+        raise InputError(f"--turns makes generated sessions; {'--trace' if a.trace else '--dataset'} sends its own "
+                         "requests")
     from kvcap.telemetry.scrape import parse_target
 
     for spec in a.metrics_url or []:
@@ -184,6 +192,7 @@ def _bench_config(a: argparse.Namespace) -> Any:
                        server_lengths=a.input_lengths == "server",
                        prefix_tokens=workload.prefix_tokens, prefix_groups=workload.prefix_groups,
                        prompts_per_group=workload.prompts_per_group, unique_prefix=not a.no_unique_prefix,
+                       turns=workload.turns, think_time_s=workload.think_time,
                        metrics_urls=list(a.metrics_url or []),
                        prometheus=_prometheus_url(a.prometheus), local_telemetry=a.local_telemetry,
                        slo=parse_slo(a.slo), workers=a.workers, overwrite=a.overwrite, arm=a.arm, fixed=fixed,
@@ -241,6 +250,7 @@ def _workload_spec(a: argparse.Namespace) -> Any:
     from kvcap.specs.fields import validate
     from kvcap.specs.lengths import parse_length
     from kvcap.specs.load import WorkloadSpec
+    from kvcap.units import parse_duration
 
     if a.prefix_tokens < 0 or a.prefix_groups < 0 or (a.prefix_tokens > 0) != (a.prefix_groups > 0):
         raise InputError("--prefix-tokens and --prefix-groups go together and must be positive")
@@ -248,8 +258,14 @@ def _workload_spec(a: argparse.Namespace) -> Any:
                "output_tokens": parse_length(a.output_tokens, "--output-tokens").spec}
     if a.prompts_per_group is not None and (a.prompts_per_group < 1 or not a.prefix_groups):
         raise InputError("--prompts-per-group needs --prefix-tokens and --prefix-groups and must be positive")
+    if a.turns < 1:
+        raise InputError("--turns must be 1 or more")
+    think = parse_duration(a.think_time, "--think-time")
+    if think < 0:
+        raise InputError("--think-time must be 0 or more")
+    sessions: dict[str, Any] = {"turns": a.turns, "think_time": think} if a.turns > 1 or think else {}
     return validate(WorkloadSpec, {**lengths, "prefix_tokens": a.prefix_tokens, "prefix_groups": a.prefix_groups,
-                                   "prompts_per_group": a.prompts_per_group}, "bench")
+                                   "prompts_per_group": a.prompts_per_group, **sessions}, "bench")
 
 
 def _prometheus_url(url: str | None) -> str | None:

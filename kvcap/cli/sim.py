@@ -86,6 +86,9 @@ def add_load_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-unique-prefix", action="store_true",
                    help="the same prompts at every level, back to back on one server: each level starts with the "
                         "prefixes the previous one left cached (as bench --no-unique-prefix sends them)")
+    g.add_argument("--turns", type=int, metavar="N",
+                   help="multi-turn sessions of N turns, as bench's --turns (1: single requests)")
+    g.add_argument("--think-time", metavar="DURATION", help="a session's wait between turns, as bench's")
     g.add_argument("--seed", type=int, help="length and arrival seed (default: the scenario's load.seed, 0)")
     common.add_slo_flag(g, help="e.g. ttft_p95=500ms,tpot_p95=80ms (default: the scenario's)")
     common.add_set_flag(g)
@@ -106,7 +109,8 @@ def sim_overrides(a: argparse.Namespace) -> dict[str, Any]:
              "load.requests": a.requests, "load.repeats": a.repeats, "load.seed": a.seed,
              "workload.input_tokens": a.input_tokens,
              "workload.output_tokens": a.output_tokens, "workload.prefix_tokens": a.prefix_tokens,
-             "workload.prefix_groups": a.prefix_groups, "workload.prompts_per_group": a.prompts_per_group}
+             "workload.prefix_groups": a.prefix_groups, "workload.prompts_per_group": a.prompts_per_group,
+             "workload.turns": a.turns, "workload.think_time": a.think_time}
     if a.no_unique_prefix:
         flags["workload.unique_prefix"] = False
     out.update({k: v for k, v in flags.items() if v is not None})

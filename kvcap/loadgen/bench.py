@@ -29,6 +29,7 @@ from kvcap.specs.lengths import LengthDist
 from kvcap.telemetry.scrape import MetricsSampler
 from kvcap.workload.prompts import PromptFactory, TokenCounter
 from kvcap.workload.reuse import prompt_parts
+from kvcap.workload.sessions import session_parts
 
 
 @dataclass
@@ -46,6 +47,9 @@ class BenchConfig:
     prefix_groups: int = 0
     prompts_per_group: int | None = None
     unique_prefix: bool = True
+    turns: int = 1
+    """Turns per multi-turn session (kvcap.workload.sessions); 1: single requests."""
+    think_time_s: float = 0.0
     metrics_urls: list[str] = field(default_factory=list)
     prometheus: str | None = None
     """Prometheus base URL: after the run, every known series in the run window is fetched (query_range)."""
@@ -101,7 +105,8 @@ def _manifest(cfg: BenchConfig, server: dict[str, Any], factory: PromptFactory, 
         "workload.prefix_tokens": cfg.prefix_tokens,
         "workload.prefix_groups": cfg.prefix_groups, "workload.unique_prefix": cfg.unique_prefix,
         **(prompt_parts(cfg.prefix_tokens, cfg.prompts_per_group) if cfg.prefix_groups and cfg.dataset is None
-           else {}),
+           and cfg.turns == 1 else {}),
+        **(session_parts(cfg.turns, cfg.think_time_s, cfg.prefix_tokens) if cfg.turns > 1 else {}),
         "workload.prompt_set": factory.identity(),
         "workload.tokenizer": Path(cfg.tokenizer).name if cfg.tokenizer else None,
         "decoding.temperature": t.temperature, "decoding.force_length": t.force_length,

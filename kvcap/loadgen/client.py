@@ -164,6 +164,8 @@ def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, tags: 
         "early_stop": bool(ok and n_out < req.output_tokens and finish == "stop"),
         "retries": o.retries, "group": req.group,
     }
+    if req.session is not None and req.turn is not None:
+        rec["session"], rec["turn"] = req.session, req.turn
     if o.detail:
         rec["error_detail"] = o.detail[:300]
     if keep_texts:

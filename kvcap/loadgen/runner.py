@@ -4,6 +4,13 @@ Each level runs warm-up → measured window → drain. Requests are tagged by th
 *scheduled*; a level's windows go to ``levels.jsonl`` so throughput is counted over the steady state. Open-loop
 arrivals are fixed in advance on absolute times and latency counts from the scheduled time, so a client or
 server that falls behind shows up as latency, never as a silently lower rate (no coordinated omission).
+
+Multi-turn sessions (``workload.turns`` ≥ 2, :mod:`kvcap.workload.sessions`): a closed-loop user runs one session's
+turns after another and then starts the next session; an open-loop arrival opens a session (the rate is of
+sessions). A later turn is sent ``think_time`` after the previous turn's last token, its latency counted from that
+send. A session takes the phase in which it started, and so do all its turns: only sessions start inside the
+measured window (a request count is rounded up to whole sessions), and a session started there may send its
+last turns in the drain.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from kvcap.loadgen.monitor import LoopMonitor
 from kvcap.rundir import RecordTags, RequestRecord
 from kvcap.workload.loadplan import LoadPlan, rate_schedule, trace_schedule
 from kvcap.workload.prompts import PromptFactory, RequestSpec, TokenCounter
+from kvcap.workload.sessions import SessionPlan, session_quota, session_schedule_plan
 
 
 class Sink(Protocol):
@@ -202,14 +210,79 @@ class Runner:
                 if failures and not self.halt.is_set():
                     state["backoff_s"] += await self._back_off(backoff_s(failures))
 
-        tasks = [asyncio.create_task(user()) for _ in range(mine)]
+        sessions = self.factory.sessions
+        if sessions is not None:  # each user holds one conversation after another (kvcap.workload.sessions)
+            session_quota_w = session_quota(quota, sessions.turns)
+            session_ids = itertools.count(self.worker, self.workers)
+            started = {"measured": 0}
+            turns_measured = {"n": 0}
+
+            async def session_user() -> None:
+                failures = 0
+                while not self._stopped():
+                    now = self.clock()
+                    if self.halt.is_set() or now >= measure_end or (
+                            session_quota_w is not None and started["measured"] >= session_quota_w):
+                        if state["stop_issuing_at"] is None:
+                            state["stop_issuing_at"] = now
+                        return
+                    phase = "warmup" if now < measure_start else "measure"
+                    if phase == "measure":
+                        started["measured"] += 1
+                    ok = await self._session(session, sessions, next(session_ids), now, concurrency, repeat,
+                                             {**tags_base, "phase": phase}, watch, turns_measured)
+                    failures = 0 if ok else failures + 1
+                    if failures and not self.halt.is_set():
+                        state["backoff_s"] += await self._back_off(backoff_s(failures))
+
+            tasks = [asyncio.create_task(session_user()) for _ in range(mine)]
+        else:
+            tasks = [asyncio.create_task(user()) for _ in range(mine)]
         await self._drain(tasks, until=measure_end if math.isfinite(measure_end) else None)
+        if sessions is not None:
+            state["measured"] = turns_measured["n"]
         end = state["stop_issuing_at"] if state["stop_issuing_at"] is not None else self.clock()
         if math.isfinite(measure_end):
             end = min(end, measure_end)
         return {"target": concurrency, "concurrency_this_worker": mine, "measure_start_s": round(measure_start, 6),
                 "measure_end_s": round(max(end, measure_start), 6), "sent_measured": state["measured"],
                 "backoff_s": round(state["backoff_s"], 3), "stopped": self.stopped}
+
+    async def _session(self, session: aiohttp.ClientSession, plan: SessionPlan, sid: int, t_send: float,
+                       level: float, repeat: int, tags: RecordTags, watch: ErrorWatch, measured: dict[str, int],
+                       sem: asyncio.Semaphore | None = None) -> bool:
+        """Session ``sid``'s turns one after another, the first sent at ``t_send``, each later one ``think_time``
+        after the previous one's end (its latency counts from then). A failed turn ends the session: the next
+        turn's history would hold an answer the server never gave. Every turn takes the session's phase.
+        ``measured`` counts the measured turns sent; ``sem``: the open loop's bound on requests in flight, held per
+        turn. True when every turn succeeded."""
+        for turn in range(1, plan.turns + 1):
+            if turn > 1:
+                t_send = self.clock() + plan.think_time_s
+                if await self._until(t_send):
+                    return False
+            if sem is not None:
+                await sem.acquire()
+            try:
+                if self.halt.is_set():
+                    return False
+                if tags["phase"] == "measure":
+                    measured["n"] += 1
+                req = self.factory.session_request(plan, sid, turn, level=level, repeat=repeat)
+                rec = await self._send(session, req, t_send, tags)
+            finally:
+                if sem is not None:
+                    sem.release()
+            self._judge(watch, rec, level, repeat)
+            if not rec["ok"]:
+                return False
+        return True
+
+    async def _until(self, t: float) -> bool:
+        """Wait until run time ``t``; True when the run halts (or is stopped) first."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.halt.wait(), max(0.0, t - self.clock()))
+        return self.halt.is_set() or self._stopped()
 
     async def _drain(self, tasks: list[asyncio.Task], until: float | None) -> None:
         """Wait for the level's tasks; on stop or after the drain timeout, cancel what is still in flight."""
@@ -247,6 +320,8 @@ class Runner:
                 return self.factory.trace_request(k, r.input_tokens, r.output_tokens, r.hash_ids, level=level,
                                                   repeat=repeat)
             return offsets, trace_request
+        if (sessions := self.factory.sessions) is not None:  # session arrivals; their turns are built by _session
+            return rate_schedule(session_schedule_plan(p, sessions.turns), level, repeat), self.factory.request
         return rate_schedule(p, level, repeat), lambda k: self.factory.request(k, level=level, repeat=repeat)
 
     async def _open(self, session: aiohttp.ClientSession, level: float, repeat: int, t_start: float) -> dict:
@@ -263,6 +338,9 @@ class Runner:
         first_measured = last_measured = None
         halted_at = None
         watch = self.rule.watch()
+        # a rate of sessions: each arrival opens one, later turns follow its answers (kvcap.workload.sessions)
+        sessions = self.factory.sessions if p.mode == "rate" else None
+        turns_measured = {"n": 0}
 
         async def one(req: RequestSpec, sched: float, phase: str) -> None:
             try:
@@ -284,9 +362,11 @@ class Runner:
                 await asyncio.sleep(delay)
             elif delay < -0.005:
                 late += 1
-            await sem.acquire()  # a full client queues here; the latency still counts from ``sched``
+            if sessions is None:
+                await sem.acquire()  # a full client queues here; the latency still counts from ``sched``
             if self.halt.is_set():
-                sem.release()
+                if sessions is None:
+                    sem.release()
                 halted_at = self.clock()
                 break
             phase = "warmup" if sched < measure_start else "measure"
@@ -294,7 +374,11 @@ class Runner:
                 sent_measured += 1
                 first_measured = sched if first_measured is None else first_measured
                 last_measured = sched
-            task = asyncio.create_task(one(make(k), sched, phase))
+            if sessions is not None:  # arrival k opens session k; its turns hold ``sem`` one at a time
+                task = asyncio.create_task(self._session(session, sessions, k, sched, level, repeat,
+                                                         {**tags_base, "phase": phase}, watch, turns_measured, sem))
+            else:
+                task = asyncio.create_task(one(make(k), sched, phase))
             inflight.add(task)
             task.add_done_callback(inflight.discard)
         if p.duration_s is not None and p.mode == "rate":
@@ -308,7 +392,7 @@ class Runner:
         await self._drain(list(inflight), until=max(measure_end, self.clock()))
         window = max(measure_end - measure_start, 1e-9)
         info = {"target": level, "measure_start_s": round(measure_start, 6), "measure_end_s": round(measure_end, 6),
-                "sent_measured": sent_measured, "late_sends": late,
+                "sent_measured": sent_measured if sessions is None else turns_measured["n"], "late_sends": late,
                 "achieved_rate": round(sent_measured / window, 4) if p.mode == "rate" else None,
                 "stopped": self.stopped}
         if p.mode == "trace":

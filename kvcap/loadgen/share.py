@@ -23,7 +23,7 @@ def make_factory(cfg: Any, counter: TokenCounter, lengths: InputLengths | None =
                          counter=counter, prefix_tokens=cfg.prefix_tokens, prefix_groups=cfg.prefix_groups,
                          prompts_per_group=cfg.prompts_per_group, unique_prefix=cfg.unique_prefix,
                          run_id=cfg.run_id, dataset=dataset,
-                         overhead=lengths.overhead)
+                         overhead=lengths.overhead, turns=cfg.turns, think_time_s=cfg.think_time_s)
 
 
 def share_runner(cfg: Any, w: int, level: float, origin: float, sink: Sink, counter: TokenCounter,

@@ -98,6 +98,8 @@ class RequestRecord(_RecordCore, total=False):
     copy_ms: float
     prefix_hit_tokens: int
     tier_hit_tokens: int
+    session: int
+    turn: int
 
 
 REQUIRED_RECORD_FIELDS: frozenset[str] = RequestRecord.__required_keys__

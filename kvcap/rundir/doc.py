@@ -60,6 +60,8 @@ RECORD_FIELDS: dict[str, str] = {
     "copy_ms": "sim: time copying its KV between tiers (ms)",
     "prefix_hit_tokens": "sim: prompt tokens found in the prefix cache",
     "tier_hit_tokens": "sim: prompt tokens found in a lower KV tier",
+    "session": "multi-turn workloads: the session it belongs to",
+    "turn": "multi-turn workloads: its turn within the session (1 for the first)",
 }
 """``requests.jsonl``'s keys: the record is a TypedDict (the hot path), so its descriptions live here."""
 

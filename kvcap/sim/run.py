@@ -7,6 +7,10 @@ Every level (and repeat) starts from an empty cluster, like a freshly started se
 other on the run's time axis. Closed loop: each of N users sends its next request the moment the previous
 one ends. Open loop: arrivals fixed in advance from the same generator and seed as ``bench``, latency from the
 arrival. Trace: the rows' arrival times and lengths (Mooncake ``hash_ids`` drive prefix caching).
+
+Multi-turn sessions (:mod:`kvcap.workload.sessions`) run as ``bench`` runs them (:mod:`kvcap.loadgen.runner`): a
+closed-loop user's next turn goes ``think_time`` after its previous turn's end, and a new session when the last
+turn of one ends; an open loop's arrivals open sessions. A session takes the phase in which it started.
 """
 
 from __future__ import annotations
@@ -51,6 +55,13 @@ from kvcap.specs.lengths import parse_length
 from kvcap.specs.scenario import Scenario, scenario_noting
 from kvcap.workload.loadplan import LoadPlan, rate_offsets, trace_schedule
 from kvcap.workload.reuse import SharedPrefixPlan, prompt_parts, shared_prefix_plan
+from kvcap.workload.sessions import (
+    SessionPlan,
+    session_parts,
+    session_plan,
+    session_quota,
+    session_schedule_plan,
+)
 
 LEVEL_GAP_S = 1.0
 REFUSED_IN_A_ROW = 10_000
@@ -87,6 +98,8 @@ def config_for(data: dict[str, Any], overrides: dict[str, Any], out: Path, *, wh
     """A scenario file's data plus ``--set``/load overrides → the run ``kvcap sim`` makes of them: the one
     translation, which ``kvcap search`` repeats per grid point. ``slo`` (``--slo`` text) replaces the scenario's."""
     scenario, notes = scenario_noting(data, overrides, where)
+    if trace and scenario.workload.turns > 1:
+        raise InputError("--trace replays the trace's own requests: drop workload.turns (sessions are generated)")
     if trace and any(overrides.get(k) is not None for k in ("load.concurrency", "load.rate")):
         raise InputError("--trace replays the trace's own arrivals: drop load.concurrency / load.rate from --set")
     plan = LoadPlan.from_spec(scenario.load, trace=tuple(trace), trace_speed=trace_speed)
@@ -111,10 +124,12 @@ def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> Manifest:
     data = sc.model_dump(mode="json", exclude={"name", "description", "load", "slo"})
     fixed = flatten("", data, {})
     wl = sc.workload
-    if wl.prefix_groups:
+    if wl.prefix_groups and wl.turns == 1:
         fixed.update(prompt_parts(wl.prefix_tokens, wl.prompts_per_group))
     else:
         fixed.pop("workload.prompts_per_group", None)  # only shared-prefix workloads have prompts per group
+    if wl.turns > 1:
+        fixed.update(session_parts(wl.turns, wl.think_time, wl.prefix_tokens))
     if wl.unique_prefix:
         fixed.pop("workload.unique_prefix", None)  # stated only where levels share their caches
     fixed.update({"workload.input_tokens": wl.input_dist.spec, "workload.output_tokens": wl.output_dist.spec,
@@ -251,6 +266,15 @@ class _LevelRun:
         self.lengths: _Lengths | _SharedPrefixRequests = (
             _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, repeat)) if shared is None
             else _SharedPrefixRequests(shared, cm.scenario.serving.hash_block_tokens))
+        self.sessions: SessionPlan | None = None if self.mode == "trace" else session_plan(
+            plan.seed, wl.turns, wl.think_time, wl.input_dist, wl.output_dist, wl.prefix_tokens, wl.prefix_groups)
+        """Multi-turn sessions, or None: every request a single one."""
+        self.block_tokens = cm.scenario.serving.hash_block_tokens
+        self.session_quota = session_quota(plan.requests, wl.turns)
+        self.next_session = self.sessions_measured = 0
+        """Sessions: the next one's id; how many started in the measured window."""
+        self.cap = math.inf
+        """The drain limit (set when the level runs): a session's turn due after it is never sent."""
         self.arrivals: Sequence[float] = []
         """Open loop and trace: every request's arrival (s), in schedule order (an open loop's: 8 bytes each)."""
         self.trace_rows: list[Any] = []
@@ -268,9 +292,14 @@ class _LevelRun:
             self.ok += 1
         else:
             self.errors += 1
+        tags = req.tags
+        if self.sessions is not None:
+            rec["session"], rec["turn"] = int(tags["session"]), int(tags["turn"])
         self.writer.record(rec)
         if self.columns is not None:
             self.columns.add(cast(dict[str, Any], rec))
+        if self.sessions is not None and self.mode != "concurrency":
+            self._after_turn(req, now, rec["ok"])
         if self.mode == "concurrency":
             if rec["ok"] or req.arrival != now:
                 self.refused_at_once = 0
@@ -280,7 +309,10 @@ class _LevelRun:
                     raise InputError(f"every request is refused at once at level {self.level:g} ({rec['error']}: "
                                      f"{req.prompt} prompt + {req.max_out} output tokens fit neither the model's "
                                      "context nor a replica's KV pool): shorten the workload")
-            self.issue(now)
+            if self.sessions is not None:
+                self._after_turn(req, now, rec["ok"])
+            else:
+                self.issue(now)
 
     def new_request(self, t: float, prompt: int, out: int, hashes: tuple[int, ...] = ()) -> SimRequest:
         phase = "warmup" if t < self.measure_start else "measure"
@@ -294,8 +326,11 @@ class _LevelRun:
         return req
 
     def issue(self, t: float) -> None:
-        """Closed loop: a user sends its next request, unless the level is over."""
+        """Closed loop: a user sends its next request (or opens its next session), unless the level is over."""
         if self.draining:
+            return
+        if self.sessions is not None:
+            self._open_session(t)
             return
         plan = self.plan
         if t >= self.measure_end or (plan.requests is not None and self.measured >= plan.requests):
@@ -303,6 +338,54 @@ class _LevelRun:
                 self.stop_at = t
             return
         self.sim.submit(self.new_request(t, *self.lengths.next()), t)
+
+    # ------------------------------------------------------------------ multi-turn sessions
+    def _open_session(self, t: float) -> None:
+        """Closed loop: a user opens the next session at ``t``, unless the window is over or its sessions started."""
+        quota = self.session_quota
+        if t >= self.measure_end or (quota is not None and self.sessions_measured >= quota):
+            if self.stop_at is None:
+                self.stop_at = t
+            return
+        phase = "warmup" if t < self.measure_start else "measure"
+        if phase == "measure":
+            self.sessions_measured += 1
+        session = self.next_session
+        self.next_session += 1
+        self._send_turn(session, 1, t, phase)
+
+    def _send_turn(self, session: int, turn: int, t: float, phase: str) -> None:
+        if phase == "measure":
+            self.measured += 1
+        self.inflight += 1
+        self.sim.submit(self._turn(session, turn, t, phase), t)
+
+    def _turn(self, session: int, turn: int, t: float, phase: str) -> SimRequest:
+        """Turn ``turn`` of ``session`` arriving at ``t``, in ``live`` (its index is ``bench``'s)."""
+        plan = self.sessions
+        assert plan is not None
+        spec = plan.turn(session, turn)
+        req = SimRequest(rid=plan.request_index(session, turn) + 1, arrival=t, prompt=spec.input_tokens,
+                         max_out=spec.output_tokens, hashes=plan.hash_ids(spec, self.block_tokens),
+                         tags={**self.base, "phase": phase, "session": session, "turn": turn})
+        self.live[req.rid] = req
+        return req
+
+    def _after_turn(self, req: SimRequest, now: float, ok: bool) -> None:
+        """A session's turn ended: its next turn ``think_time`` later (not past the drain limit); after its last
+        turn, or a failed one (the history would hold an answer never given), a closed-loop user opens a new
+        session at once."""
+        plan = self.sessions
+        if self.draining or plan is None:
+            return
+        session, turn = int(req.tags["session"]), int(req.tags["turn"])
+        if ok and turn < plan.turns:
+            t = now + plan.think_time_s
+            if t < self.cap:
+                self._send_turn(session, turn + 1, t, str(req.tags["phase"]))
+            return
+        if self.mode == "concurrency":
+            self._open_session(now)
 
     def start_load(self) -> None:
         """Closed loop: every user's first request at 0; open loop and trace: the whole schedule."""
@@ -314,12 +397,14 @@ class _LevelRun:
             self.trace_rows, offsets = trace_schedule(self.plan)
             self.arrivals = offsets
         else:
-            self.arrivals = array("d", rate_offsets(self.plan, self.level, self.repeat).tobytes())
+            plan = self.plan if self.sessions is None else session_schedule_plan(self.plan, self.sessions.turns)
+            self.arrivals = array("d", rate_offsets(plan, self.level, self.repeat).tobytes())
         # the schedule is counted now (rid = position + 1, as if each were sent now); each request is built only
         # when it arrives (Simulation.feed), so memory holds the schedule's times and the requests in flight
         times = np.asarray(self.arrivals, float)  # a view of an open loop's array, no copy
         measured = np.flatnonzero(times >= self.measure_start)
         self.measured += int(measured.size)
+        self.sessions_measured = int(measured.size)
         if measured.size:
             self.last_measured = float(times[measured[-1]])
         self.rid = self.inflight = len(self.arrivals)
@@ -328,6 +413,8 @@ class _LevelRun:
     def _scheduled(self, i: int) -> SimRequest:
         """The schedule's i-th request, as it arrives (open loop and trace)."""
         t = self.arrivals[i]
+        if self.sessions is not None:  # arrival i opens session i
+            return self._turn(i, 1, t, "warmup" if t < self.measure_start else "measure")
         if self.trace_rows:
             row = self.trace_rows[i]
             i_tok, o_tok, hashes = row.input_tokens, row.output_tokens, tuple(row.hash_ids)
@@ -355,7 +442,7 @@ class _LevelRun:
         """Run the events to the drain limit; returns the level's simulated end and the requests cancelled there
         (whatever is still in flight is recorded, never dropped, and nothing new is sent)."""
         sim = self.sim
-        cap = self.drain_limit()
+        cap = self.cap = self.drain_limit()
         sim.run_until(cap, on_time=self.sampler.until, max_events=MAX_EVENTS)
         if sim.events > MAX_EVENTS:
             raise InputError(f"simulation of level {self.level:g} exceeded {MAX_EVENTS:,} events: shorten "
@@ -397,7 +484,8 @@ class _LevelRun:
             "t_start_s": round(offset, 6), "t_end_s": round(offset + t_end, 6),
             "measure_start_s": round(offset + self.measure_start, 6), "measure_end_s": round(offset + end, 6),
             "sent_measured": self.measured, "late_sends": 0,
-            "achieved_rate": round(self.measured / window, 4) if self.mode == "rate" else None,
+            "achieved_rate": round((self.measured if self.sessions is None else self.sessions_measured) / window, 4)
+            if self.mode == "rate" else None,
             "client": {"warnings": []}, "interrupted": False,
             "sim": {"events": self.sim.events, "wall_s": round(wall, 4), "simulated_s": round(t_end, 4),
                     "realtime_factor": round(t_end / wall, 1) if wall > 0 else None, "native": NATIVE,

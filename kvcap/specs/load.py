@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kvcap.errors import InputError
 from kvcap.specs.fields import Duration, OptionalDuration, Strict
@@ -57,13 +64,37 @@ class WorkloadSpec(Strict):
     stages do — ``bench`` sends them so (``--no-unique-prefix``) and ``sim`` starts each level with the
     prefixes the previous one left cached (:mod:`kvcap.sim.warm`)."""
 
+    turns: int = Field(default=1, ge=1)
+    """Turns per multi-turn session (:mod:`kvcap.workload.sessions`): 2 or more makes each user (closed loop) or
+    each arrival (open loop) a conversation whose turn ``k`` sends every earlier question and answer plus
+    ``input_tokens`` of its own; 1: single requests."""
+    think_time: Duration = 0.0
+    """Seconds a session's user waits after a turn's last token before sending the next turn."""
+
     @model_validator(mode="after")
     def _prefix_pair(self) -> WorkloadSpec:
         if (self.prefix_tokens > 0) != (self.prefix_groups > 0):
             raise InputError("prefix_tokens and prefix_groups go together and must be positive")
         if self.prompts_per_group and not self.prefix_groups:
             raise InputError("prompts_per_group needs prefix_tokens and prefix_groups")
+        if self.think_time < 0:
+            raise InputError("think_time must be 0 or more")
+        if self.turns > 1 and self.prompts_per_group:
+            raise InputError("prompts_per_group repeats whole prompts; a session's turns never repeat: "
+                             "drop one of turns and prompts_per_group")
+        if self.turns == 1 and self.think_time:
+            raise InputError("think_time is the wait between a session's turns: it needs turns of 2 or more")
         return self
+
+    @model_serializer(mode="wrap")
+    def _quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``turns`` and ``think_time`` appear (in manifests, A/B fixed variables) only for session workloads: a
+        workload of single requests serialises as it did before sessions existed."""
+        data: dict[str, Any] = handler(self)
+        if self.turns == 1:
+            data.pop("turns", None)
+            data.pop("think_time", None)
+        return data
 
     @property
     def input_mean(self) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 from kvcap.errors import InputError
 from kvcap.specs.lengths import LengthDist
 from kvcap.workload.reuse import SharedPrefixPlan, shared_prefix_plan
+from kvcap.workload.sessions import SessionPlan, session_plan
 from kvcap.workload.words import WORDS, block_text
 
 LEAD = WORDS[0]
@@ -121,6 +122,9 @@ class RequestSpec:
     output_tokens: int
     group: int | None = None
     messages: list[dict[str, str]] | None = None
+    session: int | None = None
+    """A multi-turn session's id and the turn (1-based) this request is; None for single requests."""
+    turn: int | None = None
 
 
 CACHE_BYTES = 32_000_000
@@ -148,6 +152,9 @@ class PromptFactory:
     overhead: int = 0
     """Tokens the server adds to every prompt (BOS, chat template): generated prompts are built to the target
     minus this, so the server's count is the target."""
+    turns: int = 1
+    """Turns per multi-turn session (:mod:`kvcap.workload.sessions`); 1: single requests."""
+    think_time_s: float = 0.0
     _cache: dict[int, tuple[str, int, int, int | None, list | None]] = field(default_factory=dict)
     _cached_bytes: int = 0
 
@@ -231,6 +238,62 @@ class PromptFactory:
         return RequestSpec(index=i, prompt=prompt, input_tokens=p.input_tokens, output_tokens=p.output_tokens,
                            group=p.group)
 
+    @cached_property
+    def sessions(self) -> SessionPlan | None:
+        """The multi-turn sessions of a generated workload, None for single requests."""
+        if self.dataset is not None:
+            return None
+        return session_plan(self.seed, self.turns, self.think_time_s, self.input_dist, self.output_dist,
+                            self.prefix_tokens, self.prefix_groups)
+
+    @cached_property
+    def _session_parts(self) -> dict[tuple[int, float, int], list[str]]:
+        return {}
+
+    def _session_words(self, plan: SessionPlan, session: int, level: float, repeat: int) -> list[str]:
+        """Session ``session``'s parts in order — its opening (lead word, tags, group prefix), then question 1,
+        answer 1, question 2, … — each fitted to its token count, so turn ``k``'s prompt is the first ``2k``
+        parts joined and every turn's words extend the last's. Kept while the session runs (a few hundred)."""
+        key = (session, level, repeat)
+        parts = self._session_parts.get(key)
+        if parts is not None:
+            return parts
+        if len(self._session_parts) >= 1024:
+            self._session_parts.pop(next(iter(self._session_parts)))
+        run_tag = [tag_words(self.run_id, level, repeat)] if self.unique_prefix else []
+        nonce = tag_words(self.seed, "session", session, *((self.run_id, level, repeat) if self.unique_prefix else ()))
+        lengths = plan.lengths(session)
+        if plan.prefix_tokens:
+            group = plan.group_of(session)
+            assert group is not None
+            opening = self.counter.fit(" ".join([LEAD, *run_tag, self._group_prefix(group)]),
+                                       max(1, plan.prefix_tokens - self.overhead))
+            first_head, first_target = [nonce], lengths[0][0]
+        else:  # the server's own tokens and the lead word come out of the first question
+            opening = ""
+            first_head, first_target = [LEAD, nonce], max(1, lengths[0][0] - self.overhead)
+        parts = [opening]
+        for k, (question, answer) in enumerate(lengths):
+            head, target = (first_head, first_target) if k == 0 else ([], question)
+            parts.append(self.counter.fit(" ".join([*head, self._session_text(session, 2 * k, target)]), target))
+            parts.append(self.counter.fit(self._session_text(session, 2 * k + 1, answer), answer))
+        self._session_parts[key] = parts
+        return parts
+
+    def _session_text(self, session: int, part: int, tokens: int) -> str:
+        rng = np.random.default_rng((self.seed, 3_000_019, session, part))
+        return " ".join(self._words[rng.integers(len(WORDS), size=tokens + 8)])
+
+    def session_request(self, plan: SessionPlan, session: int, turn: int, level: float = 0,
+                        repeat: int = 0) -> RequestSpec:
+        """Turn ``turn`` of ``session``: its opening, every earlier question and planned answer, its question.
+        The request's index is the plan's (``SessionPlan.request_index``)."""
+        t = plan.turn(session, turn)
+        parts = self._session_words(plan, session, level, repeat)
+        prompt = " ".join(p for p in parts[: 2 * turn] if p)
+        return RequestSpec(index=plan.request_index(session, turn), prompt=prompt, input_tokens=t.input_tokens,
+                           output_tokens=t.output_tokens, group=t.group, session=session, turn=turn)
+
     def request(self, i: int, level: float = 0, repeat: int = 0) -> RequestSpec:
         if (plan := self.shared) is not None:
             return self.shared_request(plan, i, level, repeat)
@@ -279,6 +342,13 @@ class PromptFactory:
         prompt set. Only what names the prompts: output targets are ``workload.output_tokens``' (a dataset's own
         are the dataset's), and a dataset row's input target is its text's, however a tokenizer counts it."""
         h = hashlib.sha256()
+        if (sessions := self.sessions) is not None:
+            for s in range(max(1, n // sessions.turns)):  # the parts' words before any run's tags
+                lengths = sessions.lengths(s)
+                texts = [self._session_text(s, 2 * k + j, lengths[k][j]) for k in range(len(lengths)) for j in (0, 1)]
+                h.update(json.dumps([texts, lengths, sessions.group_of(s)]).encode())
+            h.update(json.dumps([self.turns, self.prefix_tokens, self.prefix_groups]).encode())
+            return h.hexdigest()[:16]
         if (plan := self.shared) is not None:
             for i in range(n):
                 p = plan.prompt(i)
