@@ -48,16 +48,18 @@ def _p(lv: LevelSummary, metric: str, q: str = "p50") -> float | None:
 
 
 def diagnose(summary_levels: list[LevelSummary], arm: str = "run", shared_prefixes: bool = False,
-             reusable: float | None = None) -> list[Finding]:
+             reusable: float | None = None, thinks: bool = False) -> list[Finding]:
     """Findings (arm, bound, evidence, direction) for one run's summary levels (bench or sim alike);
     ``shared_prefixes``: the workload declares prompts that share prefixes (``prefix_reuse.shares_prefixes``);
-    ``reusable``: the share of prompt tokens that is a shared prefix, where known (``prefix_reuse.reusable_share``)."""
+    ``reusable``: the share of prompt tokens that is a shared prefix, where known (``prefix_reuse.reusable_share``);
+    ``thinks``: users pause between turns (sessions with a think time), so fewer requests in flight than users is
+    the workload, not a lagging client."""
     levels = sorted([lv for lv in summary_levels if (lv.ok or 0) > 0], key=lambda x: x.level)
     out: list[Finding] = []
     if len(levels) < 2:
         return _imbalance(levels, arm) + _link(levels, arm)
     warn = sorted({w for lv in levels for w in lv.client_warnings})
-    lagging = [(lv, law) for lv in levels if (law := lv.littles_law) is not None
+    lagging = [(lv, law) for lv in levels if not thinks and (law := lv.littles_law) is not None
                and law.ratio_to_concurrency is not None and law.ratio_to_concurrency < 0.85]
     if warn or lagging:
         ev = "; ".join(warn) if warn else (

@@ -27,14 +27,20 @@ def levels_input_mean(levels: Iterable[LevelSummary]) -> float | None:
 
 def asked_mean(manifest: Manifest | None) -> float | None:
     """The mean of the asked input length distribution, a shared prefix added where the manifest says prompts are
-    prefix + input (``workload.prompt``); None for a dataset, a trace or an unreadable spec."""
+    prefix + input (``workload.prompt``), and for sessions of T turns the mean history, (T − 1) / 2 earlier
+    questions and answers; None for a dataset, a trace or an unreadable spec."""
     fixed = manifest.fixed if manifest is not None else {}
     spec = fixed.get("workload.input_tokens")
     if spec is None or fixed.get("load.mode") == "trace":
         return None
     prefix = int(fixed.get("workload.prefix_tokens") or 0) if "workload.prompt" in fixed else 0
+    turns = fixed.get("workload.turns")
     try:
-        return parse_length(spec).mean + prefix
+        question = parse_length(spec).mean
+        history = 0.0
+        if isinstance(turns, int) and turns > 1:
+            history = (turns - 1) / 2 * (question + parse_length(fixed.get("workload.output_tokens") or 0).mean)
+        return question + prefix + history
     except InputError:
         return None
 

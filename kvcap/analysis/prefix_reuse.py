@@ -147,27 +147,44 @@ def hit_share(reuse: PrefixReuse | None) -> float | None:
 
 
 def shares_prefixes(manifest: Manifest | None) -> bool:
-    """The workload declares prompts that share prefixes: shared-prefix groups, or a trace (whose ``hash_ids`` say
-    which blocks repeat)."""
+    """The workload declares prompts that share prefixes: shared-prefix groups, sessions (each turn resends the
+    history), or a trace (whose ``hash_ids`` say which blocks repeat)."""
     fixed = manifest.fixed if manifest is not None else {}
-    groups = fixed.get("workload.prefix_groups") or 0
-    return (isinstance(groups, (int, float)) and groups > 0) or fixed.get("load.mode") == "trace"
+    groups, turns = fixed.get("workload.prefix_groups") or 0, fixed.get("workload.turns") or 1
+    return ((isinstance(groups, (int, float)) and groups > 0) or (isinstance(turns, int) and turns > 1)
+            or fixed.get("load.mode") == "trace")
 
 
 def reusable_share(manifest: Manifest | None) -> float | None:
-    """The share of a shared-prefix workload's prompt tokens that is its group's system prompt (what a cache big
-    enough for every prefix serves, past each group's first request); None for other workloads."""
+    """The share of a workload's prompt tokens a cache big enough for all of them serves (past each group's or
+    session's first request): a shared-prefix group's system prompt; for sessions of T turns, turn k's resent
+    earlier prompt — the prefix and the k − 1 earlier turns but the last answer (a planned answer is not what
+    the server cached). None for other workloads."""
     fixed = manifest.fixed if manifest is not None else {}
     prefix, groups = fixed.get("workload.prefix_tokens") or 0, fixed.get("workload.prefix_groups") or 0
-    spec = fixed.get("workload.input_tokens")
-    if not (isinstance(prefix, int) and isinstance(groups, int) and prefix > 0 and groups > 0) or spec is None:
+    turns, spec = fixed.get("workload.turns") or 1, fixed.get("workload.input_tokens")
+    grouped = isinstance(prefix, int) and isinstance(groups, int) and prefix > 0 and groups > 0
+    sessions = isinstance(turns, int) and turns > 1
+    if not (grouped or sessions) or spec is None:
         return None
     try:
         own = parse_length(spec).mean
+        answer = parse_length(fixed.get("workload.output_tokens") or 0).mean if sessions else 0.0
     except InputError:
         return None
+    prefix = prefix if grouped else 0
+    if sessions:
+        prompts = [prefix + (k - 1) * (own + answer) + own for k in range(1, turns + 1)]
+        reused = [prefix + max(0.0, (k - 2) * (own + answer) + own) if k > 1 else prefix for k in range(1, turns + 1)]
+        return sum(reused) / sum(prompts)
     total = prefix + own if "workload.prompt" in fixed else max(own, prefix)  # older runs cut the prefix inside
     return prefix / total if total > 0 else None
+
+
+def users_think(manifest: Manifest | None) -> bool:
+    """Session workloads whose users pause between turns (``workload.think_time`` > 0)."""
+    think = (manifest.fixed if manifest is not None else {}).get("workload.think_time")
+    return isinstance(think, (int, float)) and think > 0
 
 
 def tier_on(manifest: Manifest | None) -> bool:

@@ -13,7 +13,14 @@ import numpy as np
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import input_length_warnings
-from kvcap.analysis.prefix_reuse import figure, from_counters, record_hits, reusable_share, shares_prefixes
+from kvcap.analysis.prefix_reuse import (
+    figure,
+    from_counters,
+    record_hits,
+    reusable_share,
+    shares_prefixes,
+    users_think,
+)
 from kvcap.analysis.stats import check_slo, summarize_level
 from kvcap.analysis.telemetry_figures import telemetry_figures
 from kvcap.analysis.telemetry_nodes import imbalance
@@ -91,7 +98,8 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         "source": manifest.source if manifest else None, "arm": manifest.arm if manifest else None, "slo": slo,
         "limits": level_limits(manifest), "levels": levels, "capacity": capacity})
     summary.diagnosis = diagnose(summary.levels, (manifest.arm if manifest else None) or "run",
-                                 shared_prefixes=shares_prefixes(manifest), reusable=reusable_share(manifest))
+                                 shared_prefixes=shares_prefixes(manifest), reusable=reusable_share(manifest),
+                                 thinks=users_think(manifest))
     summary.warnings = input_length_warnings(manifest, summary.levels)
     return summary
 

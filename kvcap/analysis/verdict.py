@@ -15,7 +15,13 @@ import numpy as np
 
 from kvcap.analysis.diagnosis import diagnose
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
-from kvcap.analysis.prefix_reuse import records_hit_nothing, reusable_share, shares_prefixes, tier_on
+from kvcap.analysis.prefix_reuse import (
+    records_hit_nothing,
+    reusable_share,
+    shares_prefixes,
+    tier_on,
+    users_think,
+)
 from kvcap.analysis.summary import best_goodput_level, build_summary
 from kvcap.rundir import RunDir
 from kvcap.rundir.compare import (
@@ -48,11 +54,11 @@ limit theorem) instead of resampling: ``BOOTSTRAP`` × n resampled indices grow 
 MEASURED_INPUT = "requests.input_tokens_mean"
 """Not a manifest key: each arm's mean input tokens as its records (the server's usage) say."""
 _LENGTH_SOURCES = ("workload.input_tokens", "workload.dataset", "workload.tokenizer", "load.seed", "load.mode",
-                   "load.trace_rows", "workload.prefix_tokens")
+                   "load.trace_rows", "workload.prefix_tokens", "workload.turns")
 DERIVED: dict[str, tuple[str, ...]] = {
     "workload.prompt_set": ("workload.input_tokens", "workload.dataset", "workload.prefix_tokens",
-                            "workload.prefix_groups", "workload.prompts_per_group", "load.seed"),
-    "workload.prompt": ("workload.prefix_tokens", "workload.dataset"),  # what a shared-prefix prompt is made of
+                            "workload.prefix_groups", "workload.prompts_per_group", "workload.turns", "load.seed"),
+    "workload.prompt": ("workload.prefix_tokens", "workload.dataset", "workload.turns"),  # what a prompt is made of
     "workload.prompts_per_group": ("workload.dataset",),  # stated only for generated shared-prefix prompts
     "workload.input_tokens_measured": _LENGTH_SOURCES,
     MEASURED_INPUT: _LENGTH_SOURCES,
@@ -248,9 +254,9 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
                             per_level=per_level, treatment_took_effect=took_effect,
                             **({"effect_evidence": evidence} if evidence else {}), warnings=warnings,
                             diagnosis=diagnose(sc.levels, "control", shared_prefixes=shares_prefixes(mc),
-                                               reusable=reusable_share(mc))
+                                               reusable=reusable_share(mc), thinks=users_think(mc))
                             + diagnose(st.levels, "treatment", shared_prefixes=shares_prefixes(mt),
-                                       reusable=reusable_share(mt)))
+                                       reusable=reusable_share(mt), thinks=users_think(mt)))
     comparison.summaries = ArmSummaries(control=sc, treatment=st)
     return comparison
 

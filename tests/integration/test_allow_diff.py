@@ -22,6 +22,7 @@ BASE = {"--concurrency": "2", "--input-tokens": "16", "--output-tokens": "2", "-
 RATE = {**{k: v for k, v in BASE.items() if k != "--concurrency"}, "--rate": "100"}
 DURATION = {**{k: v for k, v in BASE.items() if k != "--requests"}, "--duration": "0.3s"}
 TRACE = {"--trace": "@trace1", "--warmup": "0s"}
+SESSIONS = {**BASE, "--turns": "2"}
 
 # key → (the run it is compared with, what changes); @name: what the fixture provides (files, the other server),
 # None: a bare flag, "": the flag dropped
@@ -34,6 +35,8 @@ PAIRS: dict[str, tuple[dict[str, str | None], dict[str, str | None]]] = {
     "workload.prefix_tokens": (BASE, {"--prefix-tokens": "4"}),
     "workload.prefix_groups": (BASE, {"--prefix-groups": "3"}),
     "workload.prompts_per_group": (BASE, {"--prompts-per-group": "2"}),
+    "workload.turns": (SESSIONS, {"--turns": "3"}),
+    "workload.think_time": (SESSIONS, {"--think-time": "10ms"}),
     "workload.unique_prefix": (BASE, {"--no-unique-prefix": None}),
     "workload.tokenizer": (BASE, {"--tokenizer": "@tokenizer"}),
     "decoding.temperature": (BASE, {"--temperature": "0.7"}),
