@@ -220,7 +220,8 @@ class ServingSpec(Strict):
     @model_validator(mode="after")
     def _tier_profile_fits(self) -> ServingSpec:
         offload = [t for t in self.tiers if t != "hbm"]  # none: the profile has nothing to apply to (an A/B control)
-        if self.kv_tier_profile == "vllm_cpu" and offload and ("host" not in offload or self.host_kv_scope != "replica"):
+        per_instance_host = "host" in offload and self.host_kv_scope == "replica"
+        if self.kv_tier_profile == "vllm_cpu" and offload and not per_instance_host:
             raise ValueError("kv_tier_profile=vllm_cpu is vLLM's per-instance CPU pool: use kv_offload host with "
                              "host_kv_scope: replica and its size (host_kv_tokens or host_kv_capacity)")
         if self.hicache_write_policy != "write_through" and self.kv_tier_profile != "hicache":

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from itertools import pairwise
 
 import pytest
 
 from kvcap.errors import InputError
 from kvcap.sim.cluster import cluster_model
-from kvcap.sim.kv import Tier
+from kvcap.sim.kv import BlockPool, Tier
 from kvcap.sim.links import Link
 from kvcap.sim.request import SimRequest
 from kvcap.sim.tiers import ReplicaTiers, tier_rules
@@ -88,7 +89,7 @@ def test_tier_hits_are_an_exact_lru(profile):
 def test_longer_lru_sequence_matches_the_reference():
     """A longer sequence (no prompt twice in a row: the previous prompt is in HBM) against the reference LRU."""
     sequence = "ABCABDADCBCEAEBDBA"
-    assert all(a != b for a, b in zip(sequence, sequence[1:]))
+    assert all(a != b for a, b in pairwise(sequence))
     done = run(one_replica_lru(), [letter(c) for c in sequence])
     assert [r.hit_tier > 0 for r in done] == reference_lru(sequence, 2)
 
@@ -139,12 +140,12 @@ def fake_tiers(profile: str, policy: str = "write_through") -> tuple[ReplicaTier
     return tiers, host
 
 
-class FakeHbm:
-    """What :meth:`ReplicaTiers.store` reads of an HBM pool: its hashed blocks and which prefixes it holds."""
-
-    def __init__(self, held: set[int]) -> None:
-        self.hash_block_tokens = HBT
-        self.prefix_ref = dict.fromkeys(held, 1)
+def hbm_holding(held: set[int]) -> BlockPool:
+    """An HBM pool whose cached prefixes are these hash ids (what :meth:`ReplicaTiers.store` reads of it)."""
+    pool = BlockPool(1000, HBT, HBT)
+    for h in held:
+        pool.prefix_ref[h] = 1
+    return pool
 
 
 def test_hicache_write_policies():
@@ -152,19 +153,19 @@ def test_hicache_write_policies():
     only once HBM no longer holds it (seen at the next store)."""
     blocks = (1, 2)
     through, host = fake_tiers("hicache")
-    through.store(blocks, FakeHbm({1, 2}), 1.0)  # type: ignore[arg-type]
+    through.store(blocks, hbm_holding({1, 2}), 1.0)
     assert list(host.prefix) == [1, 2]
 
     selective, host = fake_tiers("hicache", "write_through_selective")
-    selective.store(blocks, FakeHbm({1, 2}), 1.0)  # type: ignore[arg-type]
+    selective.store(blocks, hbm_holding({1, 2}), 1.0)
     assert list(host.prefix) == []
-    selective.store(blocks, FakeHbm({1, 2}), 1.0)  # type: ignore[arg-type]
+    selective.store(blocks, hbm_holding({1, 2}), 1.0)
     assert list(host.prefix) == [1, 2]
 
     back, host = fake_tiers("hicache", "write_back")
-    back.store(blocks, FakeHbm({1, 2}), 1.0)  # type: ignore[arg-type]
+    back.store(blocks, hbm_holding({1, 2}), 1.0)
     assert list(host.prefix) == []
-    back.store((3,), FakeHbm({2, 3}), 1.0)  # type: ignore[arg-type]  # HBM evicted block 1
+    back.store((3,), hbm_holding({2, 3}), 1.0)  # HBM evicted block 1
     assert list(host.prefix) == [1]
 
 
@@ -173,7 +174,7 @@ def test_lmcache_chunks_and_lookup_from_the_first_token():
     counts whole chunks from the prompt's start, less what HBM holds."""
     tiers, host = fake_tiers("lmcache")
     full = tuple(range(1, 41))  # 40 blocks of 16: two whole chunks and 8 blocks over
-    tiers.store(full, FakeHbm(set()), 0.5)  # type: ignore[arg-type]
+    tiers.store(full, hbm_holding(set()), 0.5)
     assert list(host.prefix) == [16, 32]
     assert host.prefix_bytes == 2 * 16 * 0.5
     assert tiers.lookup(full, 0, HBT) == [(host, 32)]
