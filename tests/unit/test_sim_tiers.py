@@ -73,7 +73,7 @@ def one_replica_lru(profile: str = "default"):
                        "serving.kv_tier_profile": profile})
 
 
-@pytest.mark.parametrize("profile", ["default", "kvbm"])
+@pytest.mark.parametrize("profile", ["default", "vllm_cpu", "hicache", "kvbm"])
 def test_tier_hits_are_an_exact_lru(profile):
     """Hand-worked, a two-prompt LRU over A B A C B C A: A miss [A]; B miss [A B]; A hit [B A]; C miss, evicts B
     [A C]; B miss, evicts A [C B]; C hit [B C]; A miss [C A]. The simulated tier serves exactly those hits, each
