@@ -54,5 +54,6 @@ def test_the_experiment_file_runs_as_is_and_set_reaches_both_arms(tmp_path):
         assert fixed["load.duration"] == 8.0 and fixed["workload.prefix_groups"] == 20
     c, t = arms["control"], arms["treatment"]
     differ = {k for k in {*c, *t} if c.get(k) != t.get(k)}
-    assert differ == {"serving.kv_offload", "serving.host_kv_scope", "serving.host_kv_tokens", "serving.kv_tier_profile"}
+    assert differ == {"serving.kv_offload", "serving.host_kv_scope", "serving.host_kv_tokens",
+                      "serving.kv_tier_profile"}
     assert sum(r.get("tier_hit_tokens", 0) for r in RunDir(out / "control").records()) == 0
