@@ -197,7 +197,10 @@ class RealTimeSim:
                             "number of cached tokens.",
                             [(f'engine="{i}",', r.tier_hits[i]) for i in range(len(reps))])]
         links = self.sim.links
-        tier_links = [link for link in links.links if link.kind in ("host", "nic", "pool")] if self.sim.tiers else []
+        kinds = {"host"} if "host" in self.sim.tiers else set()
+        if "remote" in self.sim.tiers:
+            kinds |= {"nic", "pool"}  # as the sampler: the links a tier's copies cross
+        tier_links = [link for link in links.links if link.kind in kinds]
         if not tier_links:
             return out
         links.advance(self.sim.now)
