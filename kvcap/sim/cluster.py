@@ -20,6 +20,7 @@ from kvcap.sim.policy_vllm import VllmPolicy
 from kvcap.sim.replica_state import ReplicaConfig
 from kvcap.sim.request import SimRequest
 from kvcap.sim.step_cost import StepCostModel
+from kvcap.sim.tiers import tier_rules
 from kvcap.specs.scenario import Scenario
 
 
@@ -76,7 +77,7 @@ class ClusterModel:
                 max_num_batched_tokens=sv.max_num_batched_tokens, chunked_prefill=sv.chunked_prefill, cost=cost,
                 kv_bytes_per_token=p.kv_bytes_per_token, hash_block_tokens=sv.hash_block_tokens,
                 prefix_caching=sv.enable_prefix_caching and sv.engine == "vllm",
-                park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",
+                park_after_prefill=bool(tiers) and sv.offload_admission == "tiers",  # storage parks nothing
                 node=nodes[0], host_link=host_link,
                 nic_links=tuple(nics[n] for n in nodes), blocks_for=blocks_for,
                 max_model_len=inputs.model.max_position_embeddings or None))
@@ -84,7 +85,31 @@ class ClusterModel:
         sim = Simulation(configs, tiers, links, policy, routing=sv.routing, pool_links=pool, on_finish=on_finish,
                          request_overhead_s=overhead, host_per_replica=host_per_replica)
         sim.max_span = self.max_span
+        _configure_tiers(self, sim, links)
         return sim
+
+
+def _configure_tiers(cm: ClusterModel, sim: Simulation, links: LinkSet) -> None:
+    """Give every replica the profile's prefix rules and, with ``storage`` in ``kv_offload``, the one storage tier
+    they all share (reached over each node's NICs, capped by the store's read and write bandwidths). It joins
+    ``sim.tiers`` after the replicas took their host and remote views, so parking never goes there; telemetry
+    and the warm carry across levels see it as a tier like the others."""
+    sv, cl = cm.scenario.serving, cm.scenario.cluster
+    rules = tier_rules(sv.kv_tier_profile, sv.hicache_write_policy)
+    store = cl.shared_storage if "storage" in sv.tiers else None
+    if store is None:
+        if sv.kv_tier_profile != "default":
+            for rep in sim.replicas:
+                rep.tiers.configure(rules)
+        return
+    storage = Tier("storage", float(store.capacity))
+    eff = cm.inputs.interconnect.efficiency
+    read = links.add(Link("storage-read", "storage", store.read_bandwidth, store.read_bandwidth * eff, store.latency))
+    write = links.add(Link("storage-write", "storage", store.write_bandwidth, store.write_bandwidth * eff,
+                           store.latency))
+    sim.tiers["storage"] = [storage]
+    for rep in sim.replicas:
+        rep.tiers.configure(rules, storage, (read,), (write,))
 
 
 def replica_host_bytes(sc: Scenario, kv_bytes_per_token: float) -> float:

@@ -366,23 +366,59 @@ class Replica(ReplicaState):
 
     # ------------------------------------------------------------------ prefixes in the tier
     def tier_prefix_tokens(self, req: SimRequest) -> int:
-        """Tokens of the prefix after the HBM hit that the offload tier holds (loaded instead of recomputed)."""
+        """Tokens of the prefix after the HBM hit that the offload tiers hold (loaded instead of recomputed). With a
+        tier profile the lookup follows its rules (:meth:`ReplicaTiers.lookup`), the hit's runs per tier are kept
+        for :meth:`load_prefix`, and a hit whose copy would cost more than computing it is cut back."""
         hbt = self.cfg.hash_block_tokens
-        if not (req.hashes and hbt and self.cfg.prefix_caching and self.tiers.enabled):
+        tiers = self.tiers
+        if not (req.hashes and hbt and self.cfg.prefix_caching and tiers.prefix_enabled):
             return 0
-        tier = self.tiers.prefix_tier()
-        start = len(req.shared)
-        n = 0
-        for h in req.hashes[start: req.prompt // hbt]:
-            if tier is None or not tier.hit(h):
+        if tiers.plain:
+            tier = tiers.prefix_tier()
+            start = len(req.shared)
+            n = 0
+            for h in req.hashes[start: req.prompt // hbt]:
+                if tier is None or not tier.hit(h):
+                    break
+                n += 1
+            return min(n * hbt, req.prompt - 1 - req.kv)
+        tiers.load_plan = []
+        full = req.hashes[: req.prompt // hbt]
+        runs = tiers.lookup(full, len(req.shared), hbt)
+        room = req.prompt - 1 - req.kv
+        plan: list[tuple[Tier, int]] = []
+        for tier, blocks in runs:
+            tokens = min(blocks * hbt, room)
+            if tokens <= 0:
                 break
-            n += 1
-        return min(n * hbt, req.prompt - 1 - req.kv)
+            plan.append((tier, tokens))
+            room -= tokens
+        if tiers.rules.cheaper_only:
+            plan = self._worth_loading(plan, req.kv)
+        if plan:
+            tiers.promote([(t, n // hbt) for t, n in plan], full, len(req.shared), hbt * self.cfg.kv_bytes_per_token)
+        tiers.load_plan = plan
+        return sum([n for _, n in plan])
+
+    def _worth_loading(self, plan: list[tuple[Tier, int]], context: int) -> list[tuple[Tier, int]]:
+        """The longest leading runs of a hit whose copy costs no more than computing those tokens: the copy's time
+        over the links now (:meth:`ReplicaTiers.load_seconds`, the runs one after another) against one prefill
+        step of the same tokens after ``context`` cached ones, priced by this replica's own step cost model."""
+        per_token = self.cfg.kv_bytes_per_token
+        best, load, tokens = 0, 0.0, 0
+        for i, (tier, n) in enumerate(plan):
+            load += self.tiers.load_seconds(tier, n * per_token)
+            tokens += n
+            compute = self.cfg.cost.step_time(BatchShape.of(prefill=[(tokens, context)], window=self.window))
+            if load <= compute:
+                best = i + 1
+        return plan[:best]
 
     def load_prefix(self, req: SimRequest, tokens: int, now: float) -> None:
-        """Copy ``tokens`` of an admitted request's prefix from the tier (its blocks are taken); it runs when in."""
-        nbytes = tokens * self.cfg.kv_bytes_per_token
-        _, lanes, caps = self.tiers.room_for(0.0, name=self._prefix_tier_name(), reserve=False)
+        """Copy ``tokens`` of an admitted request's prefix from the tiers (its blocks are taken); it runs when
+        every tier's part is in (parts from different tiers travel at once, each over its own links)."""
+        plan = self.tiers.load_plan
+        self.tiers.load_plan = []
         req.state = "loading"
         self.moving += 1
         self.incoming += 1
@@ -397,23 +433,46 @@ class Replica(ReplicaState):
             self.running.append(r)
             self.poke(t, force=True)
 
-        self.sim.start_copy(now, nbytes, lanes, caps, outbound=False, on_done=done)
+        if not plan:
+            nbytes = tokens * self.cfg.kv_bytes_per_token
+            _, lanes, caps = self.tiers.room_for(0.0, name=self._prefix_tier_name(), reserve=False)
+            self.sim.start_copy(now, nbytes, lanes, caps, outbound=False, on_done=done)
+            return
+        left = [len(plan)]
+
+        def part_done(t: float) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                done(t)
+
+        for tier, n in plan:
+            lanes, caps = self.tiers.links_to(tier, reading=True)
+            self.sim.start_copy(now, n * self.cfg.kv_bytes_per_token, lanes, caps, outbound=False,
+                                on_done=part_done)
 
     def _register_prefix(self, req: SimRequest, now: float) -> None:
-        """After a prefill: its full hash blocks become shared HBM prefix blocks (and go to the tier)."""
+        """After a prefill: its full hash blocks become shared HBM prefix blocks (and go to the tiers the profile
+        writes to: copies nothing waits for)."""
         hbt = self.cfg.hash_block_tokens
         if not (req.hashes and hbt and self.cfg.prefix_caching):
             return
         full = req.hashes[: req.prompt // hbt]
         self.hbm.share_prefix(req, full)
-        tier = self.tiers.prefix_tier()
+        tiers = self.tiers
+        tier = tiers.prefix_tier()
         if tier is None:
             return
         bytes_each = hbt * self.cfg.kv_bytes_per_token
-        new = sum(1 for h in full if tier.store_prefix(h, bytes_each))
-        if new:  # written to the tier asynchronously: nothing waits for the copy
-            lanes, caps = self.tiers.links_to(tier)
-            self.sim.start_copy(now, new * bytes_each, lanes, caps, outbound=True, on_done=_nothing)
+        if tiers.plain:
+            new = sum(1 for h in full if tier.store_prefix(h, bytes_each))
+            if new:  # written to the tier asynchronously: nothing waits for the copy
+                lanes, caps = tiers.links_to(tier)
+                self.sim.start_copy(now, new * bytes_each, lanes, caps, outbound=True, on_done=_nothing)
+            return
+        unit = bytes_each * tiers.chunk_blocks(hbt)
+        for target, units in tiers.store(full, self.hbm, bytes_each):
+            lanes, caps = tiers.links_to(target)
+            self.sim.start_copy(now, units * unit, lanes, caps, outbound=True, on_done=_nothing)
 
     def _prefix_tier_name(self) -> str | None:
         tier = self.tiers.prefix_tier()

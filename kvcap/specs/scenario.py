@@ -47,6 +47,17 @@ class LinkRef(Strict):
     latency: Duration | None = None
 
 
+class SharedStorageSpec(Strict):
+    """A KV store shared by every replica: what one replica writes, any other finds. Its read and write
+    bandwidths are the store's own, shared by all the copies in flight to or from it."""
+
+    capacity: Size
+    read_bandwidth: Bandwidth
+    write_bandwidth: Bandwidth
+    latency: Duration = 0.0
+    """Added to each copy (a file open, an object GET)."""
+
+
 class ClusterSpec(Strict):
     nodes: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=1, ge=1)
@@ -61,10 +72,21 @@ class ClusterSpec(Strict):
     """Size of the distributed/remote memory pool available to the KV cache, whole cluster."""
     remote_memory_bandwidth: Bandwidth | None = None
     """The pool's own aggregate bandwidth (a memory server's NIC); default: only the nodes' NICs limit it."""
+    shared_storage: SharedStorageSpec | None = None
+    """A storage tier every replica reaches over its node's NICs (a shared file system or object store, as llm-d's
+    and LMCache's shared storage): used by ``kv_offload`` values with ``storage``."""
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @model_serializer(mode="wrap")
+    def _quiet_storage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``shared_storage`` appears only where set: a cluster without one serialises as it did before."""
+        data: dict[str, Any] = handler(self)
+        if data.get("shared_storage", 0) is None:
+            del data["shared_storage"]
+        return data
 
 
 class ModelRef(Strict):
@@ -83,7 +105,10 @@ class ModelRef(Strict):
         return self.preset or "llama-3.1-8b"
 
 
-KvOffload = Literal["none", "host", "remote", "host+remote"]
+KvOffload = Literal["none", "host", "remote", "host+remote", "storage", "host+storage", "remote+storage",
+                    "host+remote+storage"]
+TierProfile = Literal["default", "vllm_cpu", "lmcache", "hicache", "kvbm"]
+HicacheWritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 Engine = Literal["vllm", "llamacpp"]
 
 
@@ -113,7 +138,8 @@ class StepCost(Strict):
     0: no such cost (vLLM's front end is asynchronous)."""
 
 
-HOST_TIER_DEFAULTS: dict[str, Any] = {"host_kv_tokens": None, "host_kv_scope": "node"}
+HOST_TIER_DEFAULTS: dict[str, Any] = {"host_kv_tokens": None, "host_kv_scope": "node", "kv_tier_profile": "default",
+                                      "hicache_write_policy": "write_through"}
 """ServingSpec keys left out of its serialisation at these values (see ``ServingSpec._quiet_defaults``)."""
 
 
@@ -142,6 +168,14 @@ class ServingSpec(Strict):
     """Who shares a host tier: ``node`` (one pool per node, its replicas share it) or ``replica`` (each engine
     instance has a pool of its own, as vLLM's native CPU offloading gives each instance its
     ``cpu_bytes_to_use`` / ``kv_offloading_size``)."""
+    kv_tier_profile: TierProfile = "default"
+    """Whose rules store and find prefixes in the offload tiers (:class:`kvcap.sim.tiers.TierRules`): ``vllm_cpu``
+    (vLLM's native OffloadingConnector: host only, per instance), ``lmcache`` (256-token chunks, every tier,
+    looked up CPU then remote then storage), ``hicache`` (SGLang, with ``hicache_write_policy``), ``kvbm``
+    (Dynamo: write-through to host and on to storage); ``default``: the first tier only, a hit always loaded."""
+    hicache_write_policy: HicacheWritePolicy = "write_through"
+    """``kv_tier_profile: hicache``: when a block reaches host memory — ``write_through`` as computed,
+    ``write_through_selective`` on its second use, ``write_back`` when the GPU evicts it."""
     runtime_overhead: Size = 650 * 2**20
     """Non-KV, non-weight, non-activation GPU memory (CUDA/cuBLAS/NCCL workspaces, allocator slack, graphs)."""
     reserve: int = Field(default=0, ge=0)
@@ -183,6 +217,17 @@ class ServingSpec(Strict):
                              "host_kv_tokens")
         return self
 
+    @model_validator(mode="after")
+    def _tier_profile_fits(self) -> ServingSpec:
+        offload = [t for t in self.tiers if t != "hbm"]  # none: the profile has nothing to apply to (an A/B control)
+        per_instance_host = "host" in offload and self.host_kv_scope == "replica"
+        if self.kv_tier_profile == "vllm_cpu" and offload and not per_instance_host:
+            raise ValueError("kv_tier_profile=vllm_cpu is vLLM's per-instance CPU pool: use kv_offload host with "
+                             "host_kv_scope: replica and its size (host_kv_tokens or host_kv_capacity)")
+        if self.hicache_write_policy != "write_through" and self.kv_tier_profile != "hicache":
+            raise ValueError("hicache_write_policy applies to kv_tier_profile=hicache only")
+        return self
+
     @model_serializer(mode="wrap")
     def _quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The host tier's scope and token size appear (in manifests, A/B fixed variables) only where set: a
@@ -200,8 +245,7 @@ class ServingSpec(Strict):
 
     @property
     def tiers(self) -> tuple[str, ...]:
-        return {"none": ("hbm",), "host": ("hbm", "host"), "remote": ("hbm", "remote"),
-                "host+remote": ("hbm", "host", "remote")}[self.kv_offload]
+        return ("hbm", *[t for t in self.kv_offload.split("+") if t != "none"])
 
 
 class Scenario(Strict):
@@ -215,6 +259,18 @@ class Scenario(Strict):
     slo: dict[str, str] = Field(default_factory=dict)
     calibration: CalibrationSection | None = None
     """What ``kvcap calibrate`` fitted this scenario from (runs, coefficients, fit table); the simulator ignores it."""
+
+    @model_validator(mode="after")
+    def _shared_storage_makes_sense(self) -> Scenario:
+        sv, cl = self.serving, self.cluster
+        if "storage" in sv.tiers and cl.shared_storage is None:
+            raise ValueError(f"kv_offload={sv.kv_offload} uses a shared storage tier: describe it in "
+                             "cluster.shared_storage (capacity, read_bandwidth, write_bandwidth)")
+        replicas = cl.gpus // (sv.tensor_parallel * sv.pipeline_parallel)
+        if "storage" in sv.tiers and cl.nodes == 1 and replicas <= 1:
+            raise ValueError("a shared storage tier needs more than one replica to share it (one node, one "
+                             "replica here): use a host tier instead")
+        return self
 
     @field_validator("slo", mode="before")
     @classmethod

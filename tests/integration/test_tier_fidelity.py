@@ -6,6 +6,8 @@ only add hits, so the treatment's knee is never below the control's."""
 from __future__ import annotations
 
 from benchmarks.tier_fidelity import compare, knee, published, simulate
+from kvcap.rundir import RunDir
+from tests.conftest import ROOT, run_cli
 from tests.unit.test_prefix_routing import TREATMENT, llmd, replay, shared_prefix_trace
 
 
@@ -37,3 +39,20 @@ def test_kvcap_sim_of_both_arms_short():
     kc, kt = knee(sim["control"], limit), knee(sim["treatment"], limit)
     assert (kt or 0) >= (kc or 0)
     assert len(compare(pub, sim)["rows"]) == len(stages)
+
+
+def test_the_experiment_file_runs_as_is_and_set_reaches_both_arms(tmp_path):
+    """``kvcap ab scenarios/llmd-tiered-prefix-cache-ab.yaml --set KEY=VALUE``: one short stage; the override is
+    in both arms' manifests, the arms differ only in the tier, and the control never loads from one."""
+    out = tmp_path / "ab"
+    p = run_cli("ab", str(ROOT / "scenarios" / "llmd-tiered-prefix-cache-ab.yaml"), "--out", str(out), "--quiet",
+                "--set", "load.rate=[10]", "--set", "load.duration=8s", "--set", "workload.prefix_groups=20",
+                timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    arms = {arm: RunDir(out / arm).manifest.fixed for arm in ("control", "treatment")}
+    for fixed in arms.values():
+        assert fixed["load.duration"] == 8.0 and fixed["workload.prefix_groups"] == 20
+    c, t = arms["control"], arms["treatment"]
+    differ = {k for k in {*c, *t} if c.get(k) != t.get(k)}
+    assert differ == {"serving.kv_offload", "serving.host_kv_scope", "serving.host_kv_tokens"}
+    assert sum(r.get("tier_hit_tokens", 0) for r in RunDir(out / "control").records()) == 0
