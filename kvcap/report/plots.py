@@ -1,5 +1,7 @@
 """The report's plotted sections: each metric against load level (SLO limits and capacities marked), the server
-over time (measured windows shaded, level starts dashed) and per-node utilisation over time.
+over time (measured windows shaded, level starts dashed) and per-node utilisation over time. Where levels carry
+``prefix_reuse``, the share of prompt tokens served from the HBM prefix cache and from a lower tier is plotted
+against level beside TTFT: what a tier saves shows next to what it does to latency.
 
 Turns the values of :mod:`kvcap.report.data` into :mod:`kvcap.report.charts` charts; the titles and labels, which
 may carry run data, are escaped by the charts.
@@ -38,6 +40,10 @@ PLOTS: list[tuple[str, str, str, str | None]] = [
     ("TPOT p99", "tpot", "ms", "p99"),
 ]
 """The plots against load level: title, metric, unit, percentile (None: the metric is a plain number)."""
+HIT_RATE_CLASS = "plot hit-rates"
+"""The CSS class of the hit-rate chart (a report with no level reporting prefix reuse has none)."""
+TIER_DASH = "5,3"
+"""The dash of a tier's hit-rate line (the HBM line of the same arm is solid)."""
 MARKERS = (("effective", "eff", None), ("resident", "res", "2,3"), ("stress_limit", "stress", "7,4"))
 """Capacity markers on the plots against level: capacity key, short label, dash."""
 NODE_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
@@ -84,6 +90,36 @@ def _level_series(a: Arm, mode: str, metric: str, unit: str, q: str | None) -> S
     return Series(a.label, a.colour, pts, tips=tips)
 
 
+def _hit_series(a: Arm, mode: str, tier: bool, compare: bool) -> Series:
+    """One arm's HBM (or tier) hit rate against level in %, each point's tooltip with its tokens."""
+    which = "tier" if tier else "HBM"
+    pts, tips = [], []
+    for lv in mode_levels(a.summary, mode):
+        reuse = lv.prefix_reuse
+        rate = None if reuse is None else reuse.tier_hit_rate if tier else reuse.hbm_hit_rate
+        if reuse is None or rate is None or not is_finite(rate):
+            continue
+        hits = reuse.tier_hit_tokens if tier else reuse.hbm_hit_tokens
+        pts.append((float(lv.level), 100.0 * rate))
+        tips.append(f"{level_name(mode, lv.level)}: {fmt(100.0 * rate)} % ({fmt(hits)} of {fmt(reuse.prompt_tokens)} "
+                    f"prompt tokens, from {reuse.source})")
+    name = f"{a.label} {which}" if compare else ("HBM prefix cache" if not tier else "lower tier")
+    return Series(name, a.colour, pts, dash=TIER_DASH if tier else None, tips=tips)
+
+
+def hit_rate_chart(arms: Sequence[Arm], mode: str, x_ticks: Sequence[float] | None = None,
+                   vlines: Sequence[VLine] = (), extra: Sequence[LegendItem] = ()) -> str:
+    """Prompt tokens served from the HBM prefix cache and from a lower tier, in % of the prompt tokens, against
+    level (per arm: HBM solid, tier dashed); empty when no level of this mode reports prefix reuse."""
+    series = [s for a in arms for tier in (False, True) if (s := _hit_series(a, mode, tier, len(arms) > 1)).points]
+    if not series:
+        return ""
+    axis = MODE_AXIS.get(mode, mode)
+    return svg_chart(f"prompt tokens served from cache vs {axis.split(' (')[0]}", series, x_label=axis,
+                     y_label="hit rate (% of prompt tokens)", vlines=vlines, x_ticks=x_ticks, legend_extra=extra,
+                     css_class=HIT_RATE_CLASS)
+
+
 def _slo_lines(slo: dict[str, float], metric: str, q: str | None) -> list[HLine]:
     """The SLO limit on this metric's percentile, if the SLO has one."""
     key = f"{metric}_{q}"
@@ -98,10 +134,15 @@ def _mode_plots(arms: Sequence[Arm], mode: str, slo: dict[str, float], markers: 
     x_ticks = levels if len(levels) <= 12 else None
     vlines, extra = _capacity_markers(arms) if markers else ([], [])
     axis = MODE_AXIS.get(mode, mode)
-    return [svg_chart(f"{title} vs {axis.split(' (')[0]}", [_level_series(a, mode, metric, unit, q) for a in arms],
-                      x_label=axis, y_label=f"{title.split(' (')[0]} ({unit})", hlines=_slo_lines(slo, metric, q),
-                      vlines=vlines, x_ticks=x_ticks, legend_extra=extra)
-            for title, metric, unit, q in PLOTS]
+    charts = [svg_chart(f"{title} vs {axis.split(' (')[0]}", [_level_series(a, mode, metric, unit, q) for a in arms],
+                        x_label=axis, y_label=f"{title.split(' (')[0]} ({unit})", hlines=_slo_lines(slo, metric, q),
+                        vlines=vlines, x_ticks=x_ticks, legend_extra=extra)
+              for title, metric, unit, q in PLOTS]
+    hits = hit_rate_chart(arms, mode, x_ticks, vlines, extra)
+    if hits:  # after the TTFT charts, so it lies beside them in the grid
+        after_ttft = max(i for i, (_, metric, _, _) in enumerate(PLOTS) if metric == "ttft") + 1
+        charts.insert(after_ttft, hits)
+    return charts
 
 
 def level_plots(arms: Sequence[Arm], slo: dict[str, float]) -> str:

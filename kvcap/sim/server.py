@@ -4,14 +4,19 @@ Why: so that ``kvcap bench`` — or guidellm, ``vllm bench serve``, the ``openai
 simulated cluster and measured exactly like a real one. The HTTP side (completions and chat, SSE chunks,
 ``usage``, ``[DONE]``, validation errors) is the shared front end (:mod:`kvcap.serve`); the engine behind it
 is the simulator, advanced to the wall clock, one engine step per event so every token leaves when its step ends.
-``/metrics`` speaks vLLM's names (plus ``kvcap:num_requests_parked``), summed over replicas. ``--log`` appends
-the simulator's own record of each request (bench's record format), to check a client's figures against.
+``/metrics`` speaks vLLM's names (plus ``kvcap:num_requests_parked``), summed over replicas; the prefix-reuse
+counters (``vllm:prefix_cache_*``, ``vllm:external_prefix_cache_*``) and the offload bytes per tier link are per
+replica, labelled ``engine`` as data-parallel vLLM engines label theirs. Prompts are hashed into blocks of
+``serving.hash_block_tokens`` (:mod:`kvcap.workload.blocks`), so a shared prefix is a shared prefix here too.
+``--log`` appends the simulator's own record of each request (bench's record format), to check a client's
+figures against.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,7 @@ from kvcap.serve.protocol import ApiConfig
 from kvcap.sim.cluster import ClusterModel
 from kvcap.sim.request import SimRequest
 from kvcap.sim.run import record_of
+from kvcap.sim.sampler import ReuseCounters, looks_up_prefixes
 
 
 class _Handle(TokenSlot):
@@ -56,6 +62,9 @@ class RealTimeSim:
         self._log = open(log, "ab") if log is not None else None  # noqa: SIM115 - appended to per request
         self.finished = 0
         self.occupancy = Occupancy()
+        self.reuse = ReuseCounters(len(self.sim.replicas))
+        """Prompt tokens looked up and found per replica, counted as each request completes."""
+        self.hbm_lookup, self.tier_lookup = looks_up_prefixes(self.sim)
 
     # ---- engine interface
     def start(self) -> None:
@@ -70,9 +79,19 @@ class RealTimeSim:
             self._log.close()
 
     def submit(self, t_arrival: float, prompt_tokens: int, n_out: int) -> _Handle:
+        return self.submit_blocks(t_arrival, prompt_tokens, n_out, ())
+
+    @property
+    def prefix_block_tokens(self) -> int | None:
+        """The simulator's hash block size where its replicas cache prefixes (the front end then hashes)."""
+        return self.cm.scenario.serving.hash_block_tokens if self.hbm_lookup else None
+
+    def submit_blocks(self, t_arrival: float, prompt_tokens: int, n_out: int, block_hashes: Sequence[int]) -> _Handle:
+        """A request with its prompt's block hashes (none: it shares nothing with any other)."""
         self.rid += 1
         t = max(t_arrival - self.t0, self.sim.now)
         req = SimRequest(rid=self.rid, arrival=t, prompt=max(1, prompt_tokens), max_out=n_out,
+                         hashes=tuple(block_hashes),
                          tags={"mode": "serve", "level": 0, "repeat": 0, "phase": "measure"})
         h = _Handle(req)
         self.handles[req.rid] = h
@@ -80,6 +99,10 @@ class RealTimeSim:
         assert self._wake is not None
         self._wake.set()
         return h
+
+    def cached_tokens(self, h: _Handle) -> int:
+        """Prompt tokens the request found in HBM or loaded from the tier (0 until it was admitted)."""
+        return h.req.hit_hbm + h.req.hit_tier
 
     async def wait(self, h: _Handle, n: int) -> bool:
         return await h.wait_for(n)
@@ -100,6 +123,7 @@ class RealTimeSim:
 
     def _finished(self, req: SimRequest, now: float) -> None:
         self.finished += 1
+        self.reuse.count(req)
         h = self.handles.pop(req.rid, None)
         if h is not None:
             h.wake()
@@ -149,7 +173,47 @@ class RealTimeSim:
             Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                     [("", sum(r.generation_tokens for r in reps))]),
             *self._cache_config(),
+            *self._reuse(),
         ]
+
+    def _reuse(self) -> list[MetricFamily]:
+        """Per replica (``engine``): vLLM's prefix-cache token counters, HBM and, with a tier, the connector's; the
+        bytes each tier link carried, per direction — vLLM's offloading connector's ``kv_offload_total_bytes`` for
+        a replica's host link, ``kvcap:kv_link_bytes`` for every tier link (a NIC or the pool serves several)."""
+        r, reps = self.reuse, self.sim.replicas
+        out: list[MetricFamily] = []
+        if self.hbm_lookup:
+            out += [Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                            [(f'engine="{i}",', r.queries[i]) for i in range(len(reps))]),
+                    Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                            [(f'engine="{i}",', r.hits[i]) for i in range(len(reps))])]
+        if self.tier_lookup:
+            out += [Counter("vllm:external_prefix_cache_queries",
+                            "External prefix cache queries from KV connector cross-instance cache sharing, in terms "
+                            "of number of queried tokens.",
+                            [(f'engine="{i}",', r.tier_queries[i]) for i in range(len(reps))]),
+                    Counter("vllm:external_prefix_cache_hits",
+                            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+                            "number of cached tokens.",
+                            [(f'engine="{i}",', r.tier_hits[i]) for i in range(len(reps))])]
+        links = self.sim.links
+        kinds = {"host"} if "host" in self.sim.tiers else set()
+        if "remote" in self.sim.tiers:
+            kinds |= {"nic", "pool"}  # as the sampler: the links a tier's copies cross
+        tier_links = [link for link in links.links if link.kind in kinds]
+        if not tier_links:
+            return out
+        links.advance(self.sim.now)
+        host = [(i, rep.cfg.host_link) for i, rep in enumerate(reps) if rep.cfg.host_link is not None
+                and "host" in self.sim.tiers]
+        if host:
+            out.append(Counter("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector.", [
+                (f'engine="{i}",transfer_type="{kind}",', round(b, 1)) for i, link in host
+                for kind, b in (("GPU_to_CPU", link.tx_bytes), ("CPU_to_GPU", link.moved_bytes - link.tx_bytes))]))
+        out.append(Counter("kvcap:kv_link_bytes", "Bytes of KV a tier link carried, out of the GPUs or back in.", [
+            (f'link="{link.name}",kind="{link.kind}",direction="{d}",', round(b, 1)) for link in tier_links
+            for d, b in (("out", link.tx_bytes), ("in", link.moved_bytes - link.tx_bytes))]))
+        return out
 
     def _cache_config(self) -> list[MetricFamily]:
         """vLLM's ``cache_config_info`` (facts in labels, value 1), one series per replica labelled ``engine`` as
