@@ -9,7 +9,10 @@ attempt was starved the test is skipped, saying why: the truth was never deliver
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -60,3 +63,30 @@ def judge_unless_starved(measure: Callable[[int], tuple[T, str | None]], check: 
             why.append(f"{starved_by}; then failed: {said[:200]}")
             print(f"attempt {attempt + 1} of {attempts} starved: {why[-1]}")
     pytest.skip(f"host too loaded to judge: all {attempts} attempts starved ({' | '.join(why)})")
+
+
+class OtherCpu:
+    """CPU time other processes took on this host since this was made, in cores on average: the host's busy
+    time (``/proc/stat``) less this process's and its waited-for children's (the servers and benches a test
+    started and stopped). A test whose truth needs the host's cores to itself reads it after its measurement."""
+
+    def __init__(self) -> None:
+        self.t0, self.busy0, self.own0 = time.monotonic(), _host_busy_s(), _own_s()
+
+    def cores(self) -> float:
+        wall = time.monotonic() - self.t0
+        if wall <= 0:
+            return 0.0
+        return max(0.0, (_host_busy_s() - self.busy0) - (_own_s() - self.own0)) / wall
+
+
+def _host_busy_s() -> float:
+    """Seconds of CPU the whole host spent busy (every core), from the first line of ``/proc/stat``."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
