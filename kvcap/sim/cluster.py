@@ -110,6 +110,7 @@ def _configure_tiers(cm: ClusterModel, sim: Simulation, links: LinkSet) -> None:
     sim.tiers["storage"] = [storage]
     for rep in sim.replicas:
         rep.tiers.configure(rules, storage, (read,), (write,))
+    sim.tiers_changed()
 
 
 def replica_host_bytes(sc: Scenario, kv_bytes_per_token: float) -> float:

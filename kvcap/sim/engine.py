@@ -174,6 +174,12 @@ class Simulation(ClusterHooks):
         remote = self.tiers["remote"][0] if "remote" in self.tiers else None
         return ReplicaTiers(host, remote, cfg.host_link, cfg.nic_links, self.pool_links)
 
+    def tiers_changed(self) -> None:
+        """The replicas' prefix tiers were set after the cluster was built (a shared storage tier): the
+        prefix-aware router sizes its tier indexes again, so it scores hits in that tier too."""
+        if self.prefix_router is not None:
+            self.prefix_router = PrefixAwareRouter(self.replicas, self._tier_tokens())
+
     def _tier_tokens(self) -> list[float]:
         """Each replica's share, in KV tokens, of the tier its prefixes go to (0: none): a tier several replicas
         share is split evenly between them."""

@@ -194,3 +194,22 @@ def test_bad_tier_input_is_one_line(sets, message):
     with pytest.raises(InputError) as err:
         scenario(**sets)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_prefix_aware_routing_scores_a_storage_only_tier():
+    """With shared storage as the only tier, llm-d's router keeps a tier index per replica sized to its share of
+    the store (the store is attached after the cluster is built, so the router must size it then)."""
+    from kvcap.sim.cluster import cluster_model
+
+    sim = cluster_model(two_replicas("storage", "lmcache", **{"serving.routing": "prefix_aware"})).build()
+    router = sim.prefix_router
+    assert router is not None and all(ix is not None for ix in router.tier)
+    per_replica = storage_blocks_per_replica(sim)
+    assert all(ix is not None and ix.capacity == per_replica for ix in router.tier)
+
+
+def storage_blocks_per_replica(sim) -> int:
+    """The store's KV tokens split over the replicas, in hash blocks (what each replica's index may hold)."""
+    rep = sim.replicas[0]
+    store = sim.tiers["storage"][0]
+    return int(store.capacity / rep.cfg.kv_bytes_per_token / len(sim.replicas)) // rep.cfg.hash_block_tokens
