@@ -105,6 +105,8 @@ class Sampler:
         used = {"host"} if "host" in tiers else set()
         if "remote" in tiers:
             used |= {"nic", "pool"}
+        if "storage" in tiers:  # a shared store is reached over the nodes' NICs, capped by its read/write links
+            used |= {"nic", "storage"}
         self.links = [link for link in sim.links.links if link.kind in used]
         self.series = self._series()
         """(name, labels) of every series, in the order :meth:`_values` gives their values."""

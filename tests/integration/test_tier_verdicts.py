@@ -55,3 +55,30 @@ def test_bad_tier_input_exits_2_with_one_line(tmp_path, sets, words):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+LLAMA2_7B_KV_BYTES_PER_TOKEN = 2 * 32 * 32 * 128 * 2
+"""K and V, 32 layers, 32 KV heads of 128, fp16: the reference scenario's model."""
+
+
+def test_a_storage_tier_s_links_are_in_the_telemetry(tmp_path):
+    """A run with shared storage writes its store's read and write links and the NICs that reach it: utilisation
+    and bytes moved — the store's read link carried exactly the KV of the tokens the records say came from it."""
+    out = tmp_path / "storage"
+    p = run_cli("sim", str(ROOT / "scenarios" / "seed-reference.yaml"), "--out", str(out), "--quiet",
+                "--prefix-tokens", "2048", "--prefix-groups", "32", "--prompts-per-group", "8",
+                "--input-tokens", "256", "--output-tokens", "64", "--concurrency", "16", "--duration", "20s",
+                "--repeats", "1", "--set", "serving.kv_offload=storage", "--set", "serving.kv_tier_profile=lmcache",
+                "--set", "serving.hash_block_tokens=16",
+                "--set", "cluster.shared_storage={capacity: 256GiB, read_bandwidth: 25GB/s, write_bandwidth: 10GB/s}",
+                timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "telemetry.jsonl").read_text().splitlines()]
+    kinds = {r["labels"].get("kind") for r in rows if r["name"] == "link.util"}
+    assert {"storage", "nic"} <= kinds
+    moved = {d: max(r["value"] for r in rows if r["name"] == "link.bytes_total"
+                    and r["labels"].get("link") == "storage-read" and r["labels"].get("direction") == d)
+             for d in ("in", "out")}
+    tier_tokens = sum(r.get("tier_hit_tokens", 0) for r in RunDir(out).records())
+    assert tier_tokens > 0
+    assert moved == {"in": tier_tokens * LLAMA2_7B_KV_BYTES_PER_TOKEN, "out": 0.0}  # every tier hit read from it
