@@ -21,7 +21,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 NATIVE = ("batch_shape", "cluster", "cost", "cost_empirical", "cost_terms", "engine", "events", "kv", "links",
           "model_shape", "policy", "policy_llamacpp", "policy_vllm", "replica", "replica_state", "request", "roofline",
-          "rounding", "run", "sampler", "step_cost", "tiers")
+          "records", "request_stream", "rounding", "run", "sampler", "step_cost", "tiers")
 """``kvcap/sim`` modules compiled (not ``server``: aiohttp's handlers; not ``calibration_io``: pydantic models;
 not ``native``: it chooses the build)."""
 GROUP = "kvcap.sim._native"

@@ -35,10 +35,8 @@ from kvcap.rundir import (
     SUMMARY,
     TELEMETRY,
     Manifest,
-    RequestRecord,
     RunDir,
     RunWriter,
-    tpot_ms,
     write_json_atomic,
 )
 from kvcap.rundir.store.column_file import ColumnWriter, TelemetryWriter
@@ -46,15 +44,14 @@ from kvcap.rundir.store.record_columns import RecordColumns
 from kvcap.rundir.summary import SimTotals, Summary
 from kvcap.sim import NATIVE
 from kvcap.sim.cluster import ClusterModel, cluster_model
-from kvcap.sim.policy_llamacpp import REQUESTED_OUT
+from kvcap.sim.records import record_of
 from kvcap.sim.request import SimRequest
-from kvcap.sim.rounding import round_to
+from kvcap.sim.request_stream import DrawnLengths, SharedPrefixRequests, request_stream
 from kvcap.sim.sampler import Sampler
-from kvcap.sim.warm import CachedPrefixes, cached_prefixes, restore
-from kvcap.specs.lengths import parse_length
+from kvcap.sim.warm import CarriedCaches, cached_prefixes, restore
 from kvcap.specs.scenario import Scenario, scenario_noting
 from kvcap.workload.loadplan import LoadPlan, rate_offsets, trace_schedule
-from kvcap.workload.reuse import SharedPrefixPlan, prompt_parts, shared_prefix_plan
+from kvcap.workload.reuse import prompt_parts
 from kvcap.workload.sessions import (
     SessionPlan,
     session_parts,
@@ -143,99 +140,6 @@ def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> Manifest:
                     slo=cfg.slo, under_test=cfg.under_test, scenario=sc.name, notes=cfg.notes)
 
 
-def _ms(t_s: float | None) -> float | None:
-    return None if t_s is None else round_to(t_s * 1e3, 3)
-
-
-def record_of(req: SimRequest, offset: float, record_itl: bool = True, itl_array: bool = False) -> RequestRecord:
-    """A finished simulated request as a ``rundir.RequestRecord`` (times in ms from its arrival). ``itl_array``:
-    the ITLs stay one numpy vector (``RunWriter`` serialises it as is) instead of a list of Python floats.
-
-    Built once per request, so as one dict literal (no update) and without ``round`` calls on the zeros most
-    requests carry (``round(0.0, 3)`` is ``0.0``: the same record); ``round_to`` is ``round``, faster."""
-    tags = req.tags
-    arrival = req.arrival
-    queue_ms = None if req.t_sched is None else round_to((req.t_sched - arrival) * 1e3, 3)
-    if req.error is not None or req.out < req.max_out:
-        return {"mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"], "phase": tags["phase"],
-                "worker": 0, "index": req.rid, "start_s": round_to(offset + arrival, 6),
-                "end_s": round_to(offset + (req.t_last or arrival), 6), "send_delay_ms": 0.0, "ok": False,
-                "error": req.error or "cancelled", "status": 400 if req.error == "http_4xx" else None,
-                "input_tokens": req.prompt, "output_tokens": req.out, "requested_output_tokens": req.max_out,
-                "tokens_source": "sim", "ttft_ms": _ms(None if req.t_first is None else req.t_first - arrival),
-                "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "queue_ms": queue_ms,
-                "finish_reason": None, "truncated": False, "early_stop": False, "retries": 0, "group": None}
-    last = float(req.chunks[-1][-1])  # the last token's time (no need to join every token's for it)
-    asked = tags.get(REQUESTED_OUT, req.max_out)  # more than max_out: a full slot context cut it short
-    ttft = (req.t_first - arrival) * 1e3  # type: ignore[operator]
-    e2e = (last - arrival) * 1e3
-    n = req.out
-    tpot = tpot_ms(ttft, e2e, n)
-    parked, copy = req.parked_s, req.copy_s
-    return {
-        "mode": tags["mode"], "level": tags["level"], "repeat": tags["repeat"], "phase": tags["phase"],
-        "worker": 0, "index": req.rid, "start_s": round_to(offset + arrival, 6),
-        "end_s": round_to(offset + last, 6), "send_delay_ms": 0.0, "ok": True, "error": None, "status": 200,
-        "input_tokens": req.prompt, "output_tokens": n, "requested_output_tokens": asked,
-        "tokens_source": "sim", "ttft_ms": round_to(ttft, 3), "tpot_ms": None if tpot is None else round_to(tpot, 3),
-        "e2e_ms": round_to(e2e, 3),
-        "itl_ms": _itls(req.token_times(), itl_array) if record_itl else [],
-        "queue_ms": queue_ms,
-        "finish_reason": "length", "truncated": n < asked, "early_stop": False, "retries": 0, "group": None,
-        "replica": req.replica, "preemptions": req.preemptions, "recomputed_tokens": req.recomputed,
-        "parked_ms": round_to(parked * 1e3, 3) if parked else 0.0, "copy_ms": round_to(copy * 1e3, 3) if copy else 0.0,
-        "prefix_hit_tokens": req.hit_hbm, "tier_hit_tokens": req.hit_tier,
-    }
-
-
-def _itls(times: np.ndarray, as_array: bool) -> Any:
-    """Gaps between consecutive tokens in ms, rounded to the µs as every record's are."""
-    itl = ((times[1:] - times[:-1]) * 1e3).round(3)  # np.round(np.diff(times) * 1e3, 3), without the wrappers
-    return itl if as_array else itl.tolist()
-
-
-class _SharedPrefixRequests:
-    """Lengths and hash ids of a shared-prefix workload's requests in send order (request ``i`` of a level is
-    ``bench``'s request ``i``: :mod:`kvcap.workload.reuse`), hashed at the replicas' ``hash_block_tokens``."""
-
-    def __init__(self, plan: SharedPrefixPlan, block_tokens: int):
-        self.plan, self.block_tokens, self.i = plan, block_tokens, 0
-        self.hashes: dict[int, tuple[int, ...]] = {}
-        """A slot's hash ids, kept while its prompts cycle (a workload without a cycle keeps none)."""
-
-    def next(self) -> tuple[int, int, tuple[int, ...]]:
-        plan = self.plan
-        p = plan.prompt(self.i)
-        self.i += 1
-        hashes = self.hashes.get(p.slot)
-        if hashes is None:
-            hashes = plan.hash_ids(p, self.block_tokens)
-            if plan.prompts_per_group:
-                self.hashes[p.slot] = hashes
-        return p.input_tokens, p.output_tokens, hashes
-
-
-class _Lengths:
-    """Input/output lengths per request from the workload's distributions, seeded per repeat and not per level:
-    request i has the same lengths at every level (``bench`` sends the same prompt set at every level too), so
-    levels differ by load alone; repeats draw afresh (a simulator has no other run-to-run variation)."""
-
-    def __init__(self, input_spec: int | str, output_spec: int | str, seed: tuple[int, ...]):
-        self.i, self.o = parse_length(input_spec, "workload.input_tokens"), parse_length(output_spec,
-                                                                                        "workload.output_tokens")
-        self.rng = np.random.default_rng(seed)
-        self.buf: list[tuple[int, int, tuple[int, ...]]] = []
-
-    def next(self) -> tuple[int, int, tuple[int, ...]]:
-        """(input tokens, output tokens, hash ids: none)."""
-        if not self.buf:
-            n = 4096
-            none: tuple[int, ...] = ()
-            self.buf = [(i, o, none) for i, o in zip(self.i.sample(n, self.rng).tolist(),
-                                                     self.o.sample(n, self.rng).tolist())][::-1]
-        return self.buf.pop()
-
-
 class _LevelRun:
     """One level (one repeat) of load on one fresh cluster: sends the requests (closed loop: each user's next
     when its previous one ends; open loop and trace: a schedule fixed in advance), records each as it finishes,
@@ -261,11 +165,7 @@ class _LevelRun:
         self.sampler = Sampler(self.sim, offset, writer.telemetry, tuple(self.sim.tiers), thin=not full_telemetry,
                                copy=telemetry_copy)
         wl = cm.scenario.workload
-        shared = shared_prefix_plan(plan.seed, wl.prefix_tokens, wl.prefix_groups, wl.input_dist, wl.output_dist,
-                                    wl.prompts_per_group)
-        self.lengths: _Lengths | _SharedPrefixRequests = (
-            _Lengths(wl.input_tokens, wl.output_tokens, (plan.seed, repeat)) if shared is None
-            else _SharedPrefixRequests(shared, cm.scenario.serving.hash_block_tokens))
+        self.lengths: DrawnLengths | SharedPrefixRequests = request_stream(cm.scenario, plan.seed, repeat)
         self.sessions: SessionPlan | None = None if self.mode == "trace" else session_plan(
             plan.seed, wl.turns, wl.think_time, wl.input_dist, wl.output_dist, wl.prefix_tokens, wl.prefix_groups)
         """Multi-turn sessions, or None: every request a single one."""
@@ -518,13 +418,6 @@ def simulate_level(cm: ClusterModel, plan: LoadPlan, level: float, repeat: int, 
     if carried is not None:
         carried.left = cached_prefixes(run.sim)
     return info, t_end
-
-
-@dataclass
-class CarriedCaches:
-    """Levels run back to back on one server (``workload.unique_prefix`` false): what the last level left."""
-
-    left: CachedPrefixes | None = None
 
 
 def run_sim(cfg: SimConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> Summary:

@@ -29,8 +29,8 @@ from kvcap.serve.engine import EngineLoad, Occupancy, TokenSlot
 from kvcap.serve.metrics import Counter, Gauge, MetricFamily, RequestCounters
 from kvcap.serve.protocol import ApiConfig
 from kvcap.sim.cluster import ClusterModel
+from kvcap.sim.records import record_of
 from kvcap.sim.request import SimRequest
-from kvcap.sim.run import record_of
 from kvcap.sim.sampler import ReuseCounters, looks_up_prefixes
 
 

@@ -68,3 +68,10 @@ def restore(sim: Simulation, cached: CachedPrefixes) -> None:
             if t is not None and t_ids is not None:
                 t.lru = OrderedDict.fromkeys(t_ids)
         router.cold_order = list(cached.cold_order)
+
+
+@dataclass
+class CarriedCaches:
+    """Levels run back to back on one server (``workload.unique_prefix`` false): what the last level left."""
+
+    left: CachedPrefixes | None = None

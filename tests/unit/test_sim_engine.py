@@ -137,9 +137,9 @@ def test_engine_invariants_across_models_and_settings(overrides):
     wl = {k: v for k, v in overrides.items() if k.startswith("workload.")}
     sc = scenario(**{k.replace(".", "__"): v for k, v in {**ov, **wl}.items()})
     cm = cluster_model(sc)
-    from kvcap.sim.run import _Lengths
+    from kvcap.sim.request_stream import DrawnLengths
 
-    lengths = _Lengths(sc.workload.input_tokens, sc.workload.output_tokens, (0, 1, 0))
+    lengths = DrawnLengths(sc.workload.input_tokens, sc.workload.output_tokens, (0, 1, 0))
     counts = {"submitted": 0, "finished": 0, "errors": 0}
 
     def on_finish(req: SimRequest, now: float) -> None:

@@ -19,8 +19,9 @@ import pytest
 from kvcap.rundir import REQUESTS, RunDir, RunWriter
 from kvcap.sim import run as sim_run
 from kvcap.sim.cluster import cluster_model
+from kvcap.sim.records import record_of
 from kvcap.sim.request import SimRequest
-from kvcap.sim.run import record_of, simulate_level
+from kvcap.sim.run import simulate_level
 from kvcap.specs.scenario import load_scenario
 from kvcap.workload.loadplan import LoadPlan, rate_schedule
 from tests.conftest import ROOT
