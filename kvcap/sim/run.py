@@ -123,12 +123,8 @@ def _manifest(cfg: SimConfig, cm: ClusterModel, started: float) -> Manifest:
     wl = sc.workload
     if wl.prefix_groups and wl.turns == 1:
         fixed.update(prompt_parts(wl.prefix_tokens, wl.prompts_per_group))
-    else:
-        fixed.pop("workload.prompts_per_group", None)  # only shared-prefix workloads have prompts per group
     if wl.turns > 1:
         fixed.update(session_parts(wl.turns, wl.think_time, wl.prefix_tokens))
-    if wl.unique_prefix:
-        fixed.pop("workload.unique_prefix", None)  # stated only where levels share their caches
     fixed.update({"workload.input_tokens": wl.input_dist.spec, "workload.output_tokens": wl.output_dist.spec,
                   "model.name": cm.inputs.model.name, "server.engine": "kvcap-sim", "server.version": __version__,
                   "load.trace": Path(cfg.trace_file).name if cfg.trace_file else None, **cfg.plan.manifest()})

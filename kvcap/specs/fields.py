@@ -23,6 +23,12 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def without_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A spec section's serialisation less the keys added after runs were first written, where they hold their
+    default: manifests and A/B fixed variables of a spec that leaves them alone stay as they were."""
+    return {k: v for k, v in data.items() if k not in defaults or v != defaults[k]}
+
+
 def validation_message(exc: ValidationError, where: str) -> str:
     """First pydantic error as one line: ``scenario.yaml: cluster.nodes: Input should be ≥ 1``."""
     err = exc.errors()[0]

@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from kvcap.errors import InputError
-from kvcap.specs.fields import Duration, OptionalDuration, Strict
+from kvcap.specs.fields import Duration, OptionalDuration, Strict, without_defaults
 from kvcap.specs.lengths import LengthDist, parse_length
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -43,6 +43,10 @@ Length = Annotated[int | str, BeforeValidator(_length)]
 
 def _mean(v: int | str) -> int:
     return v if isinstance(v, int) else max(1, round(parse_length(v).mean))
+
+
+WORKLOAD_DEFAULTS: dict[str, Any] = {"prompts_per_group": None, "unique_prefix": True, "turns": 1, "think_time": 0.0}
+"""WorkloadSpec keys left out of its serialisation at these values (``specs.fields.without_defaults``)."""
 
 
 class WorkloadSpec(Strict):
@@ -88,13 +92,9 @@ class WorkloadSpec(Strict):
 
     @model_serializer(mode="wrap")
     def _quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """``turns`` and ``think_time`` appear (in manifests, A/B fixed variables) only for session workloads: a
-        workload of single requests serialises as it did before sessions existed."""
-        data: dict[str, Any] = handler(self)
-        if self.turns == 1:
-            data.pop("turns", None)
-            data.pop("think_time", None)
-        return data
+        """Session, shared-prefix and cache-carrying keys appear (in manifests, A/B fixed variables) only where
+        set: a workload that uses none of them serialises as it did before they existed."""
+        return without_defaults(handler(self), WORKLOAD_DEFAULTS)
 
     @property
     def input_mean(self) -> int:

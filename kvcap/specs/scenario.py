@@ -22,7 +22,7 @@ from pydantic import (
 
 from kvcap.errors import InputError
 from kvcap.specs.calibration import CalibrationSection
-from kvcap.specs.fields import Bandwidth, Duration, Fraction, Size, Strict, validation_message
+from kvcap.specs.fields import Bandwidth, Duration, Fraction, Size, Strict, validation_message, without_defaults
 from kvcap.specs.load import MOONCAKE_BLOCK_TOKENS, LoadSpec, WorkloadSpec, displaced_by_overrides
 from kvcap.units import parse_size
 
@@ -232,11 +232,7 @@ class ServingSpec(Strict):
     def _quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The host tier's scope and token size appear (in manifests, A/B fixed variables) only where set: a
         scenario that uses neither serialises as it did before they existed."""
-        data: dict[str, Any] = handler(self)
-        for key, default in HOST_TIER_DEFAULTS.items():
-            if key in data and data[key] == default:
-                del data[key]
-        return data
+        return without_defaults(handler(self), HOST_TIER_DEFAULTS)
 
     @field_validator("reserve", mode="before")
     @classmethod
