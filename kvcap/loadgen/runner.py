@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -191,53 +191,44 @@ class Runner:
         tags_base = {"mode": "concurrency", "level": concurrency, "repeat": repeat, "worker": self.worker}
         watch = self.rule.watch()
 
-        async def user() -> None:
+        async def user(started: dict[str, int], limit: int | None,
+                       one: Callable[[float, str], Awaitable[bool]]) -> None:
+            """One user: a unit of work (a request, or a whole session) after another until the window or
+            ``limit`` measured units are reached; ``one(now, phase)`` sends a unit and says whether it succeeded."""
             failures = 0  # in a row, this user's: its backoff (guard.backoff_s) grows with them
             while not self._stopped():
                 now = self.clock()
-                if self.halt.is_set() or now >= measure_end or (quota is not None and state["measured"] >= quota):
+                if self.halt.is_set() or now >= measure_end or (limit is not None and started["measured"] >= limit):
                     if state["stop_issuing_at"] is None:
                         state["stop_issuing_at"] = now
                     return
                 phase = "warmup" if now < measure_start else "measure"
                 if phase == "measure":
-                    state["measured"] += 1
-                i = next(indices)
-                req = self.factory.request(i, level=concurrency, repeat=repeat)
-                rec = await self._send(session, req, now, {**tags_base, "phase": phase})
-                self._judge(watch, rec, concurrency, repeat)
-                failures = 0 if rec["ok"] else failures + 1
+                    started["measured"] += 1
+                failures = 0 if await one(now, phase) else failures + 1
                 if failures and not self.halt.is_set():
                     state["backoff_s"] += await self._back_off(backoff_s(failures))
 
+        async def one_request(now: float, phase: str) -> bool:
+            req = self.factory.request(next(indices), level=concurrency, repeat=repeat)
+            rec = await self._send(session, req, now, {**tags_base, "phase": phase})
+            self._judge(watch, rec, concurrency, repeat)
+            return bool(rec["ok"])
+
         sessions = self.factory.sessions
         if sessions is not None:  # each user holds one conversation after another (kvcap.workload.sessions)
-            session_quota_w = session_quota(quota, sessions.turns)
             session_ids = itertools.count(self.worker, self.workers)
-            started = {"measured": 0}
             turns_measured = {"n": 0}
 
-            async def session_user() -> None:
-                failures = 0
-                while not self._stopped():
-                    now = self.clock()
-                    if self.halt.is_set() or now >= measure_end or (
-                            session_quota_w is not None and started["measured"] >= session_quota_w):
-                        if state["stop_issuing_at"] is None:
-                            state["stop_issuing_at"] = now
-                        return
-                    phase = "warmup" if now < measure_start else "measure"
-                    if phase == "measure":
-                        started["measured"] += 1
-                    ok = await self._session(session, sessions, next(session_ids), now, concurrency, repeat,
-                                             {**tags_base, "phase": phase}, watch, turns_measured)
-                    failures = 0 if ok else failures + 1
-                    if failures and not self.halt.is_set():
-                        state["backoff_s"] += await self._back_off(backoff_s(failures))
+            async def one_session(now: float, phase: str) -> bool:
+                return await self._session(session, sessions, next(session_ids), now, concurrency, repeat,
+                                           {**tags_base, "phase": phase}, watch, turns_measured)
 
-            tasks = [asyncio.create_task(session_user()) for _ in range(mine)]
+            started: dict[str, int] = {"measured": 0}
+            tasks = [asyncio.create_task(user(started, session_quota(quota, sessions.turns), one_session))
+                     for _ in range(mine)]
         else:
-            tasks = [asyncio.create_task(user()) for _ in range(mine)]
+            tasks = [asyncio.create_task(user(state, quota, one_request)) for _ in range(mine)]
         await self._drain(tasks, until=measure_end if math.isfinite(measure_end) else None)
         if sessions is not None:
             state["measured"] = turns_measured["n"]
