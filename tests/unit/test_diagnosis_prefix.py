@@ -18,8 +18,9 @@ from kvcap.analysis.telemetry_figures import TelemetryFigures
 from kvcap.analysis.verdict import TierHits, idle_tier_warning, tier_evidence, tier_took_effect
 from kvcap.rundir import RunDir
 from kvcap.rundir.manifest import Manifest
-from kvcap.rundir.summary import LevelSummary, Summary
+from kvcap.rundir.summary import LevelSummary
 from tests.conftest import ROOT
+from tests.summaries import summary_of
 
 _EMPTY = {"p50": None, "p90": None, "p95": None, "p99": None, "mean": None}
 PROMPT = 100_000
@@ -92,47 +93,39 @@ def test_without_reuse_figures_the_kv_bound_reads_as_before():
     assert f[0].direction.startswith("the offload tier holds the extra requests but only HBM-resident ones decode")
 
 
-def _summary(*levels: LevelSummary) -> Summary:
-    return Summary.model_validate({"source": "sim", "arm": None, "slo": {}, "levels": [x.to_json() for x in levels],
-                                   "limits": {"duration_s": None, "requests": None, "rule": "", "notes": []},
-                                   "capacity": {"slo": {}, "effective": None, "stress_limit": None, "resident": None,
-                                                "resident_source": None, "resident_lower_bound": False,
-                                                "limited_by": None, "scaling": []}})
-
-
 def _manifest(offload: str) -> Manifest:
     return Manifest.model_validate({"source": "sim", "run_id": "0" * 12, "started_at": 0.0,
                                     "fixed": {"serving.kv_offload": offload}})
 
 
 def test_tier_hits_are_the_treatments_evidence_with_numbers():
-    control = TierHits.of(_summary(lv(1, 100.0, 20.0, hbm=0.3, tier=0.0), lv(8, 100.0, 20.0, hbm=0.2, tier=0.0)),
+    control = TierHits.of(summary_of(lv(1, 100.0, 20.0, hbm=0.3, tier=0.0), lv(8, 100.0, 20.0, hbm=0.2, tier=0.0)),
                           records_hit_nothing=False)
-    treatment = TierHits.of(_summary(lv(1, 100.0, 20.0, hbm=0.3, tier=0.1), lv(8, 100.0, 20.0, hbm=0.2, tier=0.2)),
+    treatment = TierHits.of(summary_of(lv(1, 100.0, 20.0, hbm=0.3, tier=0.1), lv(8, 100.0, 20.0, hbm=0.2, tier=0.2)),
                             records_hit_nothing=False)
     assert tier_took_effect(control, treatment) is True
     assert tier_took_effect(treatment, control) is False
     assert tier_evidence(control, treatment) == (
         "more prompt tokens loaded from a lower tier: 30,000 tier-hit tokens in the treatment (15.0% of 200,000 "
         "prompt tokens) vs 0 in the control (0.0% of 200,000 prompt tokens), from the measured requests' records")
-    unknown = TierHits.of(_summary(lv(1, 100.0, 20.0)), records_hit_nothing=False)
+    unknown = TierHits.of(summary_of(lv(1, 100.0, 20.0)), records_hit_nothing=False)
     assert tier_took_effect(unknown, treatment) is None  # no figure, records silent: cannot tell
-    zero = TierHits.of(_summary(lv(1, 100.0, 20.0)), records_hit_nothing=True)
+    zero = TierHits.of(summary_of(lv(1, 100.0, 20.0)), records_hit_nothing=True)
     assert tier_took_effect(zero, treatment) is True and zero.total() == (0.0, 0.0)
 
 
 def test_a_tier_turned_on_with_no_hit_tokens_is_a_warning():
-    zero = TierHits.of(_summary(lv(1, 100.0, 20.0)), records_hit_nothing=True)
+    zero = TierHits.of(summary_of(lv(1, 100.0, 20.0)), records_hit_nothing=True)
     w = idle_tier_warning(_manifest("remote"), zero)
     assert w is not None and w.startswith("tier on, no hit tokens: it cannot have saved work")
     assert "serving.kv_offload=remote" in w
     assert idle_tier_warning(_manifest("none"), zero) is None  # no tier turned on
-    hit = TierHits.of(_summary(lv(1, 100.0, 20.0, hbm=0.1, tier=0.01)), records_hit_nothing=False)
+    hit = TierHits.of(summary_of(lv(1, 100.0, 20.0, hbm=0.1, tier=0.01)), records_hit_nothing=False)
     assert idle_tier_warning(_manifest("remote"), hit) is None  # it served some
-    unknown = TierHits.of(_summary(lv(1, 100.0, 20.0)), records_hit_nothing=False)
+    unknown = TierHits.of(summary_of(lv(1, 100.0, 20.0)), records_hit_nothing=False)
     assert idle_tier_warning(_manifest("remote"), unknown) is None  # unknown is not zero
     # a connector the server's counters show, with no token from it, on a scenario that says nothing of tiers
-    seen = TierHits.of(_summary(lv(1, 100.0, 20.0, hbm=0.1, tier=0.0, source="telemetry")), False)
+    seen = TierHits.of(summary_of(lv(1, 100.0, 20.0, hbm=0.1, tier=0.0, source="telemetry")), False)
     w = idle_tier_warning(_manifest("none"), seen)
     assert w is not None and "the server's offload counters" in w
 
@@ -199,7 +192,7 @@ def test_a_real_servers_counters_give_the_figure_and_the_recompute_bound(tmp_pat
 def test_the_markdown_report_shows_hit_rates_per_tier_beside_ttft():
     from kvcap.report.markdown import render_markdown_single
 
-    text = render_markdown_single(_summary(lv(1, 100.0, 20.0, hbm=0.3, tier=0.125), lv(8, 100.0, 20.0)))
+    text = render_markdown_single(summary_of(lv(1, 100.0, 20.0, hbm=0.3, tier=0.125), lv(8, 100.0, 20.0)))
     assert "| TTFT p95 ms | TPOT p95 ms | SLO | HBM hit % | tier hit % |" in text
     assert text.count("| 30.0% | 12.5% |") == 1 and "| – | – |" in text
-    assert "hit %" not in render_markdown_single(_summary(lv(1, 100.0, 20.0)))  # no figure: the table as before
+    assert "hit %" not in render_markdown_single(summary_of(lv(1, 100.0, 20.0)))  # no figure: the table as before

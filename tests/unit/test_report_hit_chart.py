@@ -9,7 +9,8 @@ from kvcap.analysis.prefix_reuse import figure
 from kvcap.report.data import Arm
 from kvcap.report.html import render_html_single
 from kvcap.report.plots import HIT_RATE_CLASS, TIER_DASH, hit_rate_chart
-from kvcap.rundir.summary import LevelSummary, Summary
+from kvcap.rundir.summary import LevelSummary
+from tests.summaries import summary_of
 
 _EMPTY = {"p50": None, "p90": None, "p95": None, "p99": None, "mean": None}
 PROMPT = 100_000
@@ -26,20 +27,12 @@ def _level(c: int, hbm: float | None = None, tier: float | None = None) -> Level
     return LevelSummary.model_validate(data)
 
 
-def _summary(*levels: LevelSummary) -> Summary:
-    return Summary.model_validate({"source": "sim", "arm": None, "slo": {}, "levels": [x.to_json() for x in levels],
-                                   "limits": {"duration_s": None, "requests": None, "rule": "", "notes": []},
-                                   "capacity": {"slo": {}, "effective": None, "stress_limit": None, "resident": None,
-                                                "resident_source": None, "resident_lower_bound": False,
-                                                "limited_by": None, "scaling": []}})
-
-
 def _tips(svg: str, series: str) -> list[str]:
     return re.findall(rf"<circle [^>]*><title>{re.escape(series)}: ([^<]*)</title>", svg)
 
 
 def test_a_run_with_prefix_reuse_plots_its_hit_rates_beside_ttft() -> None:
-    page = render_html_single(_summary(_level(4, 0.5, 0.25), _level(8, 0.4, 0.3)))
+    page = render_html_single(summary_of(_level(4, 0.5, 0.25), _level(8, 0.4, 0.3)))
     assert page.count(f'class="{HIT_RATE_CLASS}"') == 1
     chart = page[page.index(f'class="{HIT_RATE_CLASS}"'):]
     chart = chart[: chart.index("</svg>")]
@@ -53,13 +46,13 @@ def test_a_run_with_prefix_reuse_plots_its_hit_rates_beside_ttft() -> None:
 
 
 def test_a_run_without_prefix_reuse_has_no_hit_rate_chart() -> None:
-    page = render_html_single(_summary(_level(4), _level(8)))
+    page = render_html_single(summary_of(_level(4), _level(8)))
     assert "TTFT p95 vs concurrency" in page and HIT_RATE_CLASS not in page
 
 
 def test_compared_arms_each_get_an_hbm_and_a_tier_line() -> None:
-    control = Arm("control", "#1f6fb4", _summary(_level(4, 0.5), _level(8, 0.2)))
-    treatment = Arm("treatment", "#e0661b", _summary(_level(4, 0.5, 0.4), _level(8, 0.2, 0.6)))
+    control = Arm("control", "#1f6fb4", summary_of(_level(4, 0.5), _level(8, 0.2)))
+    treatment = Arm("treatment", "#e0661b", summary_of(_level(4, 0.5, 0.4), _level(8, 0.2, 0.6)))
     svg = hit_rate_chart([control, treatment], "concurrency")
     lines = re.findall(r'<polyline class="series" points="[^"]*" fill="none" stroke="([^"]*)" stroke-width="2"'
                        r'( stroke-dasharray="[^"]*")?><title>([^<]*)</title>', svg)
