@@ -188,9 +188,9 @@ class RealTimeSim:
 
     def _reuse(self) -> list[MetricFamily]:
         """Per replica (``engine``): vLLM's prefix-cache token counters, HBM and, with a tier, the connector's, and
-        its prompt tokens by source (computed, found in HBM, loaded from a tier); the
-        bytes each tier link carried, per direction — vLLM's offloading connector's ``kv_offload_total_bytes`` for
-        a replica's host link, ``kvcap:kv_link_bytes`` for every tier link (a NIC or the pool serves several)."""
+        its prompt tokens by source (computed, found in HBM, loaded from a tier); the bytes each tier link carried,
+        per direction — vLLM's offloading connector's ``kv_offload_total_bytes`` for a replica's host link,
+        ``kvcap:kv_link_bytes`` for every tier link (a NIC or the pool serves several)."""
         r, reps = self.reuse, self.sim.replicas
         out: list[MetricFamily] = []
         if self.hbm_lookup:
