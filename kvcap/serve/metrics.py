@@ -47,12 +47,15 @@ class Gauge:
 @dataclass(frozen=True)
 class Counter:
     """A counter family ``{name}_total``: one series per ``(extra labels, value)``; ``extra`` is either empty or
-    ``'key="value",'``. With ``created`` (Unix seconds) each series gets a ``{name}_created`` gauge too."""
+    ``'key="value",'``. With ``created`` (Unix seconds) each series gets a ``{name}_created`` gauge too.
+    ``suffix`` "": the series are named ``{name}`` itself, as exporters that predate the suffix name theirs (Dynamo's
+    KVBM)."""
 
     name: str
     help: str
     series: Sequence[tuple[str, float]]
     created: float | None = None
+    suffix: str = "_total"
 
 
 MetricFamily = Gauge | Counter
@@ -70,8 +73,9 @@ def render_metrics(families: Sequence[MetricFamily], model_name: str) -> str:
                 out.extend((f"# HELP {fam.name} {fam.help}", f"# TYPE {fam.name} gauge"))
             out.append(f"{fam.name}{{{fam.labels}{label}}} {float(fam.value)!r}")
             continue
-        out.extend((f"# HELP {fam.name}_total {fam.help}", f"# TYPE {fam.name}_total counter"))
-        out.extend(f"{fam.name}_total{{{extra}{label}}} {float(v)!r}" for extra, v in fam.series)
+        total = fam.name + fam.suffix
+        out.extend((f"# HELP {total} {fam.help}", f"# TYPE {total} counter"))
+        out.extend(f"{total}{{{extra}{label}}} {float(v)!r}" for extra, v in fam.series)
         if fam.created is not None:
             out.extend((f"# HELP {fam.name}_created {fam.help}", f"# TYPE {fam.name}_created gauge"))
             out.extend(f"{fam.name}_created{{{extra}{label}}} {fam.created!r}" for extra, _ in fam.series)

@@ -214,6 +214,10 @@ class Tier:
         self.parked_bytes = 0.0
         self.prefix: OrderedDict[int, float] = OrderedDict()
         self.prefix_bytes = 0.0
+        self.stored = 0
+        """Prefix units written here so far (what serve-sim shows as a connector's write counters)."""
+        self.evicted = 0
+        """Prefix units dropped so far to make room, least recently used first."""
 
     @property
     def used(self) -> float:
@@ -226,6 +230,7 @@ class Tier:
         while self.used + nbytes > self.capacity and self.prefix:
             _, b = self.prefix.popitem(last=False)
             self.prefix_bytes -= b
+            self.evicted += 1
         self.parked_bytes += nbytes
         return True
 
@@ -240,10 +245,12 @@ class Tier:
         while self.used + nbytes > self.capacity and self.prefix:
             _, b = self.prefix.popitem(last=False)
             self.prefix_bytes -= b
+            self.evicted += 1
         if self.used + nbytes > self.capacity:
             return False
         self.prefix[h] = nbytes
         self.prefix_bytes += nbytes
+        self.stored += 1
         return True
 
     def hit(self, h: int) -> bool:

@@ -419,6 +419,7 @@ class Replica(ReplicaState):
         every tier's part is in (parts from different tiers travel at once, each over its own links)."""
         plan = self.tiers.load_plan
         self.tiers.load_plan = []
+        parts = _parts(plan, req.kv) if plan else ((self._prefix_tier_name() or "", req.kv, tokens),)
         req.state = "loading"
         self.moving += 1
         self.incoming += 1
@@ -429,6 +430,7 @@ class Replica(ReplicaState):
             self.incoming -= 1
             r.kv += n
             r.hit_tier = n
+            r.loaded_from = parts
             r.state = "running"
             self.running.append(r)
             self.poke(t, force=True)
@@ -477,6 +479,15 @@ class Replica(ReplicaState):
     def _prefix_tier_name(self) -> str | None:
         tier = self.tiers.prefix_tier()
         return tier.name if tier is not None else None
+
+
+def _parts(plan: list[tuple[Tier, int]], start: int) -> tuple[tuple[str, int, int], ...]:
+    """A load plan as (tier name, first token, tokens), the runs one after another from ``start``."""
+    out: list[tuple[str, int, int]] = []
+    for tier, n in plan:
+        out.append((tier.name, start, n))
+        start += n
+    return tuple(out)
 
 
 def _nothing(t: float) -> None:

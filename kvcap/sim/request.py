@@ -53,6 +53,8 @@ class SimRequest:
     tier_bytes: float = 0.0
     hit_hbm: int = 0
     hit_tier: int = 0
+    loaded_from: tuple[tuple[str, int, int], ...] = ()
+    """``hit_tier`` tier by tier, in prompt order: (tier name, first token, tokens) — serve-sim's per-tier counters."""
     committed: int = 0
     """HBM blocks promised to this decoder for its whole length (offload admission ``tiers``)."""
     error: str | None = None

@@ -8,8 +8,10 @@ is the simulator, advanced to the wall clock, one engine step per event so every
 counters (``vllm:prefix_cache_*``, ``vllm:external_prefix_cache_*``) and the offload bytes per tier link are per
 replica, labelled ``engine`` as data-parallel vLLM engines label theirs. Prompts are hashed into blocks of
 ``serving.hash_block_tokens`` (:mod:`kvcap.workload.blocks`), so a shared prefix is a shared prefix here too.
-``--log`` appends the simulator's own record of each request (bench's record format), to check a client's
-figures against.
+vLLM's ``prompt_tokens_by_source`` splits the prompt tokens the same way (computed, HBM hit, loaded from a tier).
+With ``serving.kv_tier_profile`` ``lmcache`` or ``kvbm`` the tiers are also shown under that connector's own names
+(:mod:`kvcap.sim.connector_metrics`). ``--log`` appends the simulator's own record of each request (bench's
+record format), to check a client's figures against.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvcap.serve.engine import EngineLoad, Occupancy, TokenSlot
 from kvcap.serve.metrics import Counter, Gauge, MetricFamily, RequestCounters
 from kvcap.serve.protocol import ApiConfig
 from kvcap.sim.cluster import ClusterModel
+from kvcap.sim.connector_metrics import CONNECTOR_PROFILES, ConnectorMetrics
 from kvcap.sim.records import record_of
 from kvcap.sim.request import SimRequest
 from kvcap.sim.sampler import ReuseCounters, looks_up_prefixes
@@ -65,6 +68,10 @@ class RealTimeSim:
         self.reuse = ReuseCounters(len(self.sim.replicas))
         """Prompt tokens looked up and found per replica, counted as each request completes."""
         self.hbm_lookup, self.tier_lookup = looks_up_prefixes(self.sim)
+        serving = cm.scenario.serving
+        self.connector = (ConnectorMetrics(self.sim, serving.kv_tier_profile, serving.hash_block_tokens)
+                          if self.tier_lookup and serving.kv_tier_profile in CONNECTOR_PROFILES else None)
+        """The tier profile's connector, whose own names ``/metrics`` also speaks (None: vLLM's only)."""
 
     # ---- engine interface
     def start(self) -> None:
@@ -124,6 +131,8 @@ class RealTimeSim:
     def _finished(self, req: SimRequest, now: float) -> None:
         self.finished += 1
         self.reuse.count(req)
+        if self.connector is not None:
+            self.connector.count(req)
         h = self.handles.pop(req.rid, None)
         if h is not None:
             h.wake()
@@ -174,19 +183,25 @@ class RealTimeSim:
                     [("", sum(r.generation_tokens for r in reps))]),
             *self._cache_config(),
             *self._reuse(),
+            *(self.connector.families() if self.connector is not None else ()),
         ]
 
     def _reuse(self) -> list[MetricFamily]:
-        """Per replica (``engine``): vLLM's prefix-cache token counters, HBM and, with a tier, the connector's; the
-        bytes each tier link carried, per direction — vLLM's offloading connector's ``kv_offload_total_bytes`` for
-        a replica's host link, ``kvcap:kv_link_bytes`` for every tier link (a NIC or the pool serves several)."""
+        """Per replica (``engine``): vLLM's prefix-cache token counters, HBM and, with a tier, the connector's, and
+        its prompt tokens by source (computed, found in HBM, loaded from a tier); the bytes each tier link carried,
+        per direction — vLLM's offloading connector's ``kv_offload_total_bytes`` for a replica's host link,
+        ``kvcap:kv_link_bytes`` for every tier link (a NIC or the pool serves several)."""
         r, reps = self.reuse, self.sim.replicas
         out: list[MetricFamily] = []
         if self.hbm_lookup:
             out += [Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                             [(f'engine="{i}",', r.queries[i]) for i in range(len(reps))]),
                     Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                            [(f'engine="{i}",', r.hits[i]) for i in range(len(reps))])]
+                            [(f'engine="{i}",', r.hits[i]) for i in range(len(reps))]),
+                    Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [
+                        (f'engine="{i}",source="{source}",', n) for i in range(len(reps)) for source, n in (
+                            ("local_compute", r.queries[i] - r.hits[i] - r.tier_hits[i]),
+                            ("local_cache_hit", r.hits[i]), ("external_kv_transfer", r.tier_hits[i]))])]
         if self.tier_lookup:
             out += [Counter("vllm:external_prefix_cache_queries",
                             "External prefix cache queries from KV connector cross-instance cache sharing, in terms "

@@ -76,7 +76,7 @@ def rows_from_matrix(result: list[dict[str, Any]], epoch_at_origin: float, sourc
     for series in result:
         m = dict(series.get("metric", {}))
         raw = m.pop("__name__", "")
-        e = entry(raw)
+        e = entry(raw, m)
         if e is None:
             continue
         points = [(float(t), float(v) * e.scale) for t, v in series.get("values", [])]

@@ -49,7 +49,7 @@ def parse_metrics(text: str, t_s: float, source: str, node: str | None = None) -
         for s in fam.samples:
             if s.name.endswith(("_created", "_bucket")):
                 continue
-            e = entry(s.name)
+            e = entry(s.name, s.labels)
             if e is None:
                 continue
             labels = {k: v for k, v in s.labels.items()}
@@ -73,7 +73,7 @@ class RateTracker:
     def apply(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = []
         for row in rows:
-            e = entry(row["labels"].get("raw", ""))
+            e = entry(row["labels"].get("raw", ""), row["labels"])
             if e is None or not e.rate:
                 out.append(row)
                 continue
