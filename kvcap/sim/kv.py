@@ -6,9 +6,10 @@ Nothing here decides anything or moves time: it counts.
 
 * :class:`BlockPool` — HBM blocks: each request's private blocks, plus shared prefix blocks (hashed
   ``hash_block_tokens``-token prompt blocks, e.g. Mooncake ``hash_ids``) reference-counted across requests;
-  an unreferenced prefix stays cached until its blocks are needed. Freed blocks are reused in the order they
-  were freed, as vLLM's free-block queue does: a finished request's own blocks (its output, which vLLM caches too
-  but no later prompt matches) are reused before its prompt's, and both before anything freed after them.
+  an unreferenced prefix stays cached until its blocks are needed. Freed blocks are reused as vLLM's free-block
+  queue reuses them (``BlockPool.free_blocks``, vLLM 0.32): a finished request's last, unfilled block (it has no
+  hash) at once; its full blocks in the order they were freed — its own (output, which vLLM caches too but no
+  later prompt matches) before its prompt's, and both before anything freed after them.
 * :class:`Tier` — host RAM of a node or the remote pool: bytes of parked sequences and stored prefixes.
 """
 
@@ -98,16 +99,20 @@ class BlockPool:
 
     def release(self, req: SimRequest) -> None:
         """The request gives back its private blocks and drops its prefix references (they stay cached). While
-        prefixes are kept, its private blocks join the reuse order first (vLLM frees a request's blocks tail
-        first), then its prefix blocks nobody else references."""
+        prefixes are kept, an unfilled last block is free at once, its full private blocks join the reuse order
+        first (vLLM frees a request's blocks tail first), then its prefix blocks nobody else references."""
         if req.blocks > 0 and self.prefix_ref:
-            self.prefix_lru[self.freed_key] = req.blocks
-            self.freed_key += 1
-            self.cached_blocks += req.blocks
+            # a last block the request did not fill has no hash: vLLM puts it at the front of the free queue
+            partial = 1 if self.block_size and req.kv % self.block_size else 0
+            self.give(partial)
+            if req.blocks > partial:
+                self.prefix_lru[self.freed_key] = req.blocks - partial
+                self.freed_key += 1
+                self.cached_blocks += req.blocks - partial
         else:
             self.give(req.blocks)
         req.blocks = 0
-        for h in req.shared:
+        for h in reversed(req.shared):  # tail first, as vLLM frees them: a prefix is lost from its end
             ref = self.prefix_ref.get(h, 0) - 1
             if ref <= 0:
                 self.prefix_ref[h] = 0
