@@ -247,10 +247,9 @@ def kv_room(lv: LevelSummary, limits: EngineLimits) -> KvRoom:
                                         f"more takes about {share:.0%}")
 
 
-CAP_DIRECTION = ("the engine's batch cap binds, not memory or compute: requests wait for a running slot while KV "
-                 "room is left; raise the cap (vLLM --max-num-seqs, llama.cpp --parallel, SGLang "
-                 "--max-running-requests) as far as KV room and the TPOT SLO allow — more memory won't raise stable "
-                 "concurrency until then")
+CAP_DIRECTION = ("the engine's batch cap binds, not memory or compute: requests wait for a running slot; raise the "
+                 "cap (vLLM --max-num-seqs, llama.cpp --parallel, SGLang --max-running-requests) as far as KV room "
+                 "and the TPOT SLO allow — more memory or compute won't raise stable concurrency until then")
 KV_DIRECTION = ("VRAM for KV binds while compute has headroom: more KV room in HBM (fp8 KV cache, a GQA model, "
                 "bigger or more GPUs) raises stable concurrency; an offload tier holds waiting requests but cannot "
                 "decode them, so it helps only where it saves prefill (reused prefixes)")
@@ -282,9 +281,7 @@ def _batch_cap(levels: list[LevelSummary], waiting: list[LevelSummary], limits: 
             ev += f", with KV room left ({room.text})"
         tp_a, tp_b, tp0 = _p(onset, "tpot"), _p(q, "tpot"), _p(levels[0], "tpot")
         if tp_a and tp_b and onset is not q:
-            ev += f"; TPOT p50 {tp_a:.1f} → {tp_b:.1f} ms from {_at(onset)} to {_at(q)}"
-            if tp_b / tp_a < TPOT_GROWS:
-                ev += ": compute has headroom at this batch"
+            ev += f"; TPOT p50 {tp_a:.1f} → {tp_b:.1f} ms from {_at(onset)} to {_at(q)} with the batch held at the cap"
         if tp0 and tp_a and onset is not levels[0] and tp_a / tp0 >= TPOT_GROWS:
             ev += (f"; TPOT p50 grew {tp0:.1f} → {tp_a:.1f} ms (×{tp_a / tp0:.2f}) from {_at(levels[0])} to "
                    f"{_at(onset)} as the batch grew: a higher cap costs TPOT")
