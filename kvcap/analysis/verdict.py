@@ -300,11 +300,15 @@ def decide(c: ArmResult, t: ArmResult, lo: float, hi: float, latency: str = "unk
 
 
 LATENCIES = (("TTFT", "ttft"), ("TPOT", "tpot"))
+LATENCY_MOVE = 0.05
+"""The least relative change of a p95 that counts as a move, beside its intervals lying apart: a deterministic
+simulator's intervals can be apart for a change no user would notice."""
 
 
 def latency_moved(control: Summary, treatment: Summary) -> tuple[str, list[str]]:
     """How TTFT and TPOT p95 moved at the levels both arms ran, up to the higher effective capacity (every level
-    both ran where neither arm has one): a p95 moved where the arms' 95% intervals lie apart. 'lower', 'higher',
+    both ran where neither arm has one): a p95 moved where the arms' 95% intervals lie apart and it changed by
+    ``LATENCY_MOVE`` or more. 'lower', 'higher',
     'mixed', 'same' (intervals, none apart) or 'unknown' (no intervals); with each move's numbers."""
     efficient = [e for e in (control.capacity.effective, treatment.capacity.effective) if e is not None]
     top = max(efficient) if efficient else None
@@ -321,11 +325,11 @@ def latency_moved(control: Summary, treatment: Summary) -> tuple[str, list[str]]
             if not ca or not cb:
                 continue
             known = True
+            pa, pb = getattr(a, f"{key}_ms").p95, getattr(b, f"{key}_ms").p95
             way = "lower" if cb[1] < ca[0] else "higher" if cb[0] > ca[1] else None
-            if way is None:
+            if way is None or (pa and pb and abs(pb / pa - 1) < LATENCY_MOVE):
                 continue
             ways.add(way)
-            pa, pb = getattr(a, f"{key}_ms").p95, getattr(b, f"{key}_ms").p95
             digits = 0 if key == "ttft" else 1
             evidence.append(f"{label} p95 {pa:,.{digits}f} → {pb:,.{digits}f} ms at {level_at(a)}"
                             if pa is not None and pb is not None else f"{label} p95 {way} at {level_at(a)}")

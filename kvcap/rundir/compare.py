@@ -95,9 +95,9 @@ class Moved(RunModel):
     capacity: str = Field(description="effective capacity: 'higher', 'same' or 'lower'")
     goodput: str = Field(description="the best-goodput difference: 'higher' or 'lower' beyond noise, else 'same'")
     latency: str = Field(description="TTFT and TPOT p95 at the levels both arms ran up to the higher effective "
-                                     "capacity (every level both ran where neither arm has one), their 95% "
-                                     "intervals apart: 'lower', 'higher', 'mixed' (some each way), 'same' (none "
-                                     "apart) or 'unknown' (no intervals)")
+                                     "capacity (every level both ran where neither arm has one), moved where the "
+                                     "95% intervals lie apart and the p95 changed by 5% or more: 'lower', "
+                                     "'higher', 'mixed' (some each way), 'same' (none) or 'unknown' (no intervals)")
     latency_evidence: list[str] = Field(default_factory=list, description="each latency whose intervals are apart, "
                                                                           "with its numbers")
     text: str = Field(description="the three in one sentence, as compare prints it")
