@@ -275,7 +275,8 @@ def judge(control: Summary, treatment: Summary, gain: GoodputGain) -> tuple[str,
     ec, et = c.effective or 0, t.effective or 0
     capacity = "higher" if et > ec else "lower" if et < ec else "same"
     goodput = "higher" if lo > 0 else "lower" if hi < 0 else "same"
-    text = (f"effective capacity {capacity} ({c.effective} → {t.effective}); goodput {goodput}"
+    text = (f"effective capacity {capacity} ({c.effective if c.effective is not None else 'none'} → "
+            f"{t.effective if t.effective is not None else 'none'}); goodput {goodput}"
             + (" beyond noise" if goodput != "same" else " within noise")
             + f" ({gain.delta_tok_s:+.1f} tok/s, 95% CI [{lo:+.1f}, {hi:+.1f}]); latency {latency}"
             + (f": {'; '.join(evidence)}" if evidence else ""))
