@@ -12,6 +12,7 @@ import numpy as np
 
 from kvcap.analysis.capacity import apply_conditions, capacities, littles_law, stationarity
 from kvcap.analysis.diagnosis import diagnose
+from kvcap.analysis.engine_limits import engine_limits
 from kvcap.analysis.lengths import input_length_warnings
 from kvcap.analysis.prefix_reuse import (
     figure,
@@ -99,7 +100,7 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         "limits": level_limits(manifest), "levels": levels, "capacity": capacity})
     summary.diagnosis = diagnose(summary.levels, (manifest.arm if manifest else None) or "run",
                                  shared_prefixes=shares_prefixes(manifest), reusable=reusable_share(manifest),
-                                 thinks=users_think(manifest))
+                                 thinks=users_think(manifest), limits=engine_limits(manifest))
     summary.warnings = input_length_warnings(manifest, summary.levels)
     return summary
 

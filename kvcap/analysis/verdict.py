@@ -1,8 +1,9 @@
-"""``compare``: the same-caliber check, then the verdict — performance scaling, capacity only, no gain or
-regression — with the evidence and its noise.
+"""``compare``: the same-caliber check, then the verdict — performance scaling, performance only, capacity only,
+no gain or regression — with the evidence and its noise, and which of capacity, goodput and latency moved.
 
 Noise is a bootstrap over requests (and over repeats when there are several): a difference whose 95%
-interval includes zero is not a gain.
+interval includes zero is not a gain. Latency moves where the two arms' 95% intervals of a p95 (each arm's
+summary's, over its requests) lie apart.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcap.analysis.diagnosis import diagnose
+from kvcap.analysis.diagnosis import diagnose, level_at
+from kvcap.analysis.engine_limits import engine_limits
 from kvcap.analysis.lengths import TOLERANCE, asked_mean, levels_input_mean, relative_gap
 from kvcap.analysis.prefix_reuse import (
     records_hit_nothing,
@@ -34,6 +36,7 @@ from kvcap.rundir.compare import (
     GoodputGain,
     InputLengths,
     LevelPair,
+    Moved,
 )
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.store.column_reader import read_columns
@@ -209,15 +212,7 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
         MEASURED_INPUT: (lengths.control.records_mean, lengths.treatment.records_mean)})
     rng = np.random.default_rng(seed)
     gc, gt = _good_tokens(kc, slo), _good_tokens(kt, slo)
-    arms: dict[str, ArmResult] = {}
-    for name, summ in (("control", sc), ("treatment", st)):
-        cap = summ.capacity
-        best = best_goodput_level(summ.levels)
-        arms[name] = ArmResult(effective=cap.effective, resident=cap.resident, resident_source=cap.resident_source,
-                               stress_limit=cap.stress_limit, goodput_tok_s=best.goodput_tok_s if best else 0.0,
-                               goodput_level=best.level if best else None, limited_by=cap.limited_by,
-                               arm=summ.arm or name)
-    control, treatment = arms["control"], arms["treatment"]
+    control, treatment = arm_result(sc, "control"), arm_result(st, "treatment")
     # noise of the best-goodput difference
     lc, lt = control.goodput_level, treatment.goodput_level
     bc = _boot(gc.get(float(lc), [np.zeros(1)]), rng) if lc is not None else np.zeros(BOOTSTRAP)
@@ -227,7 +222,7 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     gain = GoodputGain(delta_tok_s=round(treatment.goodput_tok_s - control.goodput_tok_s, 3),
                        ci95=[round(lo, 3), round(hi, 3)], beyond_noise=lo > 0 or hi < 0)
     per_level = _per_level(sc, st, gc, gt, rng)
-    verdict = decide(control, treatment, lo, hi)
+    verdict, moved = judge(sc, st, gain)
     ec, et = control.effective, treatment.effective
     efficiency = None
     if ec and et and ec != et and control.goodput_tok_s > 0:
@@ -250,28 +245,100 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     if not caliber.equal:
         warnings.append("fixed variables differ: " + ", ".join(d.key for d in caliber.differences))
     comparison = Comparison(verdict=verdict, control=control, treatment=treatment, goodput_gain=gain,
-                            efficiency=efficiency, fixed_variables=caliber, input_lengths=lengths, slo=slo,
+                            moved=moved, efficiency=efficiency, fixed_variables=caliber, input_lengths=lengths, slo=slo,
                             per_level=per_level, treatment_took_effect=took_effect,
                             **({"effect_evidence": evidence} if evidence else {}), warnings=warnings,
                             diagnosis=diagnose(sc.levels, "control", shared_prefixes=shares_prefixes(mc),
-                                               reusable=reusable_share(mc), thinks=users_think(mc))
+                                               reusable=reusable_share(mc), thinks=users_think(mc),
+                                               limits=engine_limits(mc))
                             + diagnose(st.levels, "treatment", shared_prefixes=shares_prefixes(mt),
-                                       reusable=reusable_share(mt), thinks=users_think(mt)))
+                                       reusable=reusable_share(mt), thinks=users_think(mt),
+                                       limits=engine_limits(mt)))
     comparison.summaries = ArmSummaries(control=sc, treatment=st)
     return comparison
 
 
-def decide(c: ArmResult, t: ArmResult, lo: float, hi: float) -> str:
-    """The verdicts as docs/run-directory.md defines them (compare.json), with 'beyond noise' = the 95% interval
-    of the goodput difference excludes 0."""
+def arm_result(summary: Summary, name: str) -> ArmResult:
+    """One arm's capacities and best goodput, from its summary (``name``: 'control' or 'treatment')."""
+    cap = summary.capacity
+    best = best_goodput_level(summary.levels)
+    return ArmResult(effective=cap.effective, resident=cap.resident, resident_source=cap.resident_source,
+                     stress_limit=cap.stress_limit, goodput_tok_s=best.goodput_tok_s if best else 0.0,
+                     goodput_level=best.level if best else None, limited_by=cap.limited_by, arm=summary.arm or name)
+
+
+def judge(control: Summary, treatment: Summary, gain: GoodputGain) -> tuple[str, Moved]:
+    """The verdict (``decide``) and what moved, from the two arms' summaries and the best-goodput difference."""
+    c, t = arm_result(control, "control"), arm_result(treatment, "treatment")
+    lo, hi = gain.ci95
+    latency, evidence = latency_moved(control, treatment)
+    ec, et = c.effective or 0, t.effective or 0
+    capacity = "higher" if et > ec else "lower" if et < ec else "same"
+    goodput = "higher" if lo > 0 else "lower" if hi < 0 else "same"
+    text = (f"effective capacity {capacity} ({c.effective if c.effective is not None else 'none'} → "
+            f"{t.effective if t.effective is not None else 'none'}); goodput {goodput}"
+            + (" beyond noise" if goodput != "same" else " within noise")
+            + f" ({gain.delta_tok_s:+.1f} tok/s, 95% CI [{lo:+.1f}, {hi:+.1f}]); latency {latency}"
+            + (f": {'; '.join(evidence)}" if evidence else ""))
+    moved = Moved(capacity=capacity, goodput=goodput, latency=latency, latency_evidence=evidence, text=text)
+    return decide(c, t, lo, hi, latency), moved
+
+
+def decide(c: ArmResult, t: ArmResult, lo: float, hi: float, latency: str = "unknown") -> str:
+    """The verdicts as docs/judging.md defines them (compare.json), with 'beyond noise' = the 95% interval
+    of the goodput difference excludes 0; ``latency``: how latency moved (``latency_moved``). A gain at equal
+    effective capacity is performance, not capacity: it needs both goodput and latency better beyond noise."""
     ec, et = c.effective or 0, t.effective or 0
     if et < ec or hi < 0:
         return "regression"
     if et > ec and lo > 0:
         return "performance-scaling"
+    if et == ec and lo > 0 and latency == "lower":
+        return "performance-only"
     if (t.resident or 0) > (c.resident or 0):
         return "capacity-only"
     return "no-gain"
+
+
+LATENCIES = (("TTFT", "ttft"), ("TPOT", "tpot"))
+LATENCY_MOVE = 0.05
+"""The least relative change of a p95 that counts as a move, beside its intervals lying apart: a deterministic
+simulator's intervals can be apart for a change no user would notice."""
+
+
+def latency_moved(control: Summary, treatment: Summary) -> tuple[str, list[str]]:
+    """How TTFT and TPOT p95 moved at the levels both arms ran, up to the higher effective capacity (every level
+    both ran where neither arm has one): a p95 moved where the arms' 95% intervals lie apart and it changed by
+    ``LATENCY_MOVE`` or more. 'lower', 'higher',
+    'mixed', 'same' (intervals, none apart) or 'unknown' (no intervals); with each move's numbers."""
+    efficient = [e for e in (control.capacity.effective, treatment.capacity.effective) if e is not None]
+    top = max(efficient) if efficient else None
+    theirs = {(lv.mode, float(lv.level)): lv for lv in treatment.levels}
+    ways: set[str] = set()
+    known = False
+    evidence: list[str] = []
+    for a in control.levels:
+        b = theirs.get((a.mode, float(a.level)))
+        if b is None or (top is not None and a.level > top):
+            continue
+        for label, key in LATENCIES:
+            ca, cb = getattr(a.ci95, f"{key}_p95_ms"), getattr(b.ci95, f"{key}_p95_ms")
+            if not ca or not cb:
+                continue
+            known = True
+            pa, pb = getattr(a, f"{key}_ms").p95, getattr(b, f"{key}_ms").p95
+            way = "lower" if cb[1] < ca[0] else "higher" if cb[0] > ca[1] else None
+            if way is None or (pa and pb and abs(pb / pa - 1) < LATENCY_MOVE):
+                continue
+            ways.add(way)
+            digits = 0 if key == "ttft" else 1
+            evidence.append(f"{label} p95 {pa:,.{digits}f} → {pb:,.{digits}f} ms at {level_at(a)}"
+                            if pa is not None and pb is not None else f"{label} p95 {way} at {level_at(a)}")
+    if len(ways) == 2:
+        return "mixed", evidence
+    if ways:
+        return ways.pop(), evidence
+    return ("same" if known else "unknown"), evidence
 
 
 def _per_level(sc: Summary, st: Summary, gc: dict[float, list[np.ndarray]], gt: dict[float, list[np.ndarray]],

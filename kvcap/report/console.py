@@ -166,8 +166,8 @@ def render_levels(summary: Summary, console: Console | None = None, title: str =
 def render_compare(result: Comparison, console: Console | None = None) -> None:
     """Verdict first, then the three numbers per arm, then the per-level differences."""
     con = console or make_console()
-    colour = {"performance-scaling": "green", "capacity-only": "yellow", "no-gain": "white",
-              "regression": "red"}[result.verdict]
+    colour = {"performance-scaling": "green", "performance-only": "green", "capacity-only": "yellow",
+              "no-gain": "white", "regression": "red"}[result.verdict]
     con.print(f"[bold {colour}]verdict: {result.verdict}[/bold {colour}]")
     t = Table(title_justify="left")
     for col in ("", "control", "treatment"):
@@ -183,6 +183,8 @@ def render_compare(result: Comparison, console: Console | None = None) -> None:
     g = result.goodput_gain
     con.print(f"goodput Δ {g.delta_tok_s:+.1f} tok/s, 95% CI [{g.ci95[0]:+.1f}, {g.ci95[1]:+.1f}] — "
               + ("beyond noise" if g.beyond_noise else "inside the noise"))
+    if result.moved is not None:
+        con.print(f"moved: {result.moved.text}")
     if result.efficiency is not None:
         con.print(f"efficiency (Δ goodput % / Δ effective %): {result.efficiency:.2f}")
     for line in result.effect_evidence or []:

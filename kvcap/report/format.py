@@ -17,6 +17,8 @@ ARMS = ("control", "treatment")
 """The two arms of a compare, in the order every report shows them."""
 VERDICT_MEANING = {
     "performance-scaling": "More memory bought more SLO-bounded concurrency and more goodput, beyond the noise.",
+    "performance-only": "Faster at the same stable concurrency: goodput higher and latency lower, beyond the noise, "
+                        "with effective capacity unchanged — a performance gain, not a capacity gain.",
     "capacity-only": "More requests reside in memory, but effective capacity and goodput are not higher beyond "
                      "the noise: the extra memory holds requests, it does not serve more of them within the SLO.",
     "no-gain": "Neither resident requests, effective capacity nor goodput rose beyond the noise.",

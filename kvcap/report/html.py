@@ -48,6 +48,7 @@ h3 { font-size: 14px; margin: 18px 0 8px; }
 .verdict .word { font-size: 24px; font-weight: 700; letter-spacing: .01em; }
 .verdict p { margin: 6px 0 0; font-size: 15px; }
 .v-performance-scaling { border-color: #2e7d32; background: #eef8f0; } .v-performance-scaling .word { color: #2e7d32; }
+.v-performance-only { border-color: #2e7d32; background: #eef8f0; } .v-performance-only .word { color: #2e7d32; }
 .v-capacity-only { border-color: #b7791f; background: #fdf6e7; } .v-capacity-only .word { color: #9a6414; }
 .v-no-gain { border-color: #6b7280; background: #f3f4f6; } .v-no-gain .word { color: #4b5563; }
 .v-regression { border-color: #c62828; background: #fdeeee; } .v-regression .word { color: #c62828; }
@@ -115,6 +116,7 @@ def _verdict_box(result: Comparison) -> str:
         caveats.append("no server-side sign that the treatment took effect")
     return (f'<section class="verdict v-{esc(verdict)}"><div class="word">verdict: {esc(verdict)}</div>'
             f"<p>{esc(VERDICT_MEANING.get(verdict, 'Unknown verdict.'))}</p>"
+            + (f"<p>Moved: {esc(result.moved.text)}.</p>" if result.moved is not None else "")
             + "".join(f'<p class="caution">⚠ {esc(c)}</p>' for c in caveats) + "</section>")
 
 

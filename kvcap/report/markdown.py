@@ -81,6 +81,8 @@ def render_markdown(result: Comparison) -> str:
     if result.efficiency is not None:
         line += f" Efficiency {fmt(result.efficiency)}."
     out += ["", line]
+    if result.moved is not None:
+        out += ["", f"Moved: {md_escape(result.moved.text)}."]
     fv = result.fixed_variables
     tested = [f"`{md_escape(d.key)}` {md_escape(d.control)} → {md_escape(d.treatment)}"
               for d in fv.allowed_differences]

@@ -2,8 +2,10 @@
 ``kvcap ab`` writes it beside the two arms' run directories.
 
 The verdicts: ``performance-scaling`` (more effective capacity *and* a goodput gain beyond noise: the 95% interval
-of the difference excludes 0), ``capacity-only`` (more resident requests, not more stable concurrency),
-``regression`` (less effective capacity, or a goodput loss beyond noise), ``no-gain`` (anything else).
+of the difference excludes 0), ``performance-only`` (the same effective capacity, a goodput gain beyond noise and
+lower latency beyond noise: faster, not more), ``capacity-only`` (more resident requests, not more stable
+concurrency), ``regression`` (less effective capacity, or a goodput loss beyond noise), ``no-gain`` (anything
+else). ``moved`` says which of the three — capacity, goodput, latency — moved.
 """
 
 from __future__ import annotations
@@ -86,6 +88,21 @@ class LevelPair(RunModel):
                                                                                            "(telemetry)")
 
 
+class Moved(RunModel):
+    """Which of effective capacity, goodput and latency moved, treatment against control: what the verdict
+    weighs, stated each on its own."""
+
+    capacity: str = Field(description="effective capacity: 'higher', 'same' or 'lower'")
+    goodput: str = Field(description="the best-goodput difference: 'higher' or 'lower' beyond noise, else 'same'")
+    latency: str = Field(description="TTFT and TPOT p95 at the levels both arms ran up to the higher effective "
+                                     "capacity (every level both ran where neither arm has one), moved where the "
+                                     "95% intervals lie apart and the p95 changed by 5% or more: 'lower', "
+                                     "'higher', 'mixed' (some each way), 'same' (none) or 'unknown' (no intervals)")
+    latency_evidence: list[str] = Field(default_factory=list, description="each latency whose intervals are apart, "
+                                                                          "with its numbers")
+    text: str = Field(description="the three in one sentence, as compare prints it")
+
+
 class ArmInputLengths(RunModel):
     """Both arms' input lengths."""
 
@@ -112,10 +129,13 @@ class ArmSummaries(RunModel):
 class Comparison(RunModel):
     """``compare.json``."""
 
-    verdict: str = Field(description="'performance-scaling', 'capacity-only', 'no-gain' or 'regression'")
+    verdict: str = Field(description="'performance-scaling', 'performance-only', 'capacity-only', 'no-gain' or "
+                                     "'regression'")
     control: ArmResult = Field(description="the control arm")
     treatment: ArmResult = Field(description="the treatment arm")
     goodput_gain: GoodputGain = Field(description="the best-goodput difference and its noise")
+    moved: Moved | None = Field(default=None, description="which of capacity, goodput and latency moved (absent "
+                                                          "from a compare.json of an older kvcap)")
     efficiency: float | None = Field(description="relative goodput gain over relative effective-capacity gain")
     fixed_variables: FixedVariables = Field(description="the same-caliber check")
     input_lengths: ArmInputLengths = Field(description="each arm's input lengths")

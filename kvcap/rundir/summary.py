@@ -226,8 +226,8 @@ class Finding(RunModel):
     """What bounds an arm, and which way to scale (``analysis.diagnosis``)."""
 
     arm: str = Field(description="the arm (or 'run')")
-    bound: str = Field(description="'client', 'prefill_recompute', 'kv_capacity', 'compute', 'interconnect', "
-                                   "'imbalance' or 'none_seen'")
+    bound: str = Field(description="'client', 'prefill_recompute', 'batch_cap', 'kv_capacity', 'compute', "
+                                   "'interconnect', 'imbalance' or 'none_seen'")
     evidence: str = Field(description="the numbers that show it")
     direction: str = Field(description="which way to scale")
 
