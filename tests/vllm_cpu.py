@@ -25,7 +25,7 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,18 +181,6 @@ def vllm_server(home: Path, cfg: VllmConfig = VllmConfig(), *, timeout_s: float 
         yield base
 
 
-def shell_command(home: Path, cfg: VllmConfig, port: int) -> str:
-    """The server as one shell command line (for ``kvcap ab`` arms that start and stop their server)."""
-    env = " ".join(f"{k}={v}" for k, v in _env(home).items() if k.startswith(("VLLM_", "HF_", "TRANSFORMERS_",
-                                                                                "OMP_", "TORCH", "TMPDIR")))
-    return f"env {env} " + " ".join(_quote(a) for a in vllm_command(require_python(), tiny_model(), port, cfg))
-
-
-def _quote(arg: str) -> str:
-    import shlex
-    return shlex.quote(arg)
-
-
 def scrape(url: str) -> str:
     import urllib.request
     with urllib.request.urlopen(url, timeout=10) as resp:
@@ -212,8 +200,3 @@ def counter(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in rest for k, v in labels.items()):
             total += float(value)
     return total
-
-
-__all__: Sequence[str] = ["VllmConfig", "LmcacheServer", "vllm_server", "lmcache_server", "tiny_model",
-                          "vllm_python", "scrape", "counter", "shell_command", "BLOCK_TOKENS",
-                          "LMCACHE_CHUNK_TOKENS", "MODEL_NAME"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcap.rundir.manifest import Manifest
+from kvcap.specs.scenario import VLLM_NULL_BLOCKS
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,11 @@ def engine_limits(manifest: Manifest | None) -> EngineLimits:
     blocks, size, pool_source = None, None, None
     if _positive(server.get("num_gpu_blocks")) and _positive(server.get("block_size")):
         blocks, size = _positive(server.get("num_gpu_blocks")), _positive(server.get("block_size"))
-        pool_source = "vllm:cache_config_info"
+        blocks = blocks - VLLM_NULL_BLOCKS if blocks is not None else None
+        pool_source = "vllm:cache_config_info (less its null block)"
     elif POOL_FLAG in flags:
-        blocks, size = flags[POOL_FLAG], flags.get(BLOCK_FLAG) or _positive(fixed.get("serving.block_size"))
+        blocks = flags[POOL_FLAG] - VLLM_NULL_BLOCKS
+        size = flags.get(BLOCK_FLAG) or _positive(fixed.get("serving.block_size"))
         pool_source = f"the server command's {POOL_FLAG}"
     elif _positive(server.get("kv_blocks_per_replica")) and _positive(fixed.get("serving.block_size")):
         blocks, size = _positive(server.get("kv_blocks_per_replica")), _positive(fixed.get("serving.block_size"))

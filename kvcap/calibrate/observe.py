@@ -13,6 +13,7 @@ from kvcap.rundir import RunDir
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.summary import LevelSummary, Percentiles
 from kvcap.specs.lengths import parse_length
+from kvcap.specs.scenario import VLLM_NULL_BLOCKS
 from kvcap.workload.trace import TraceRow
 
 
@@ -65,7 +66,8 @@ class ServerFacts:
     n_ctx: int | None = None
     max_model_len: int | None = None
     kv_tokens: int | None = None
-    """The KV pool in tokens: vLLM's ``num_gpu_blocks × block_size``, SGLang's ``max_total_num_tokens``."""
+    """The KV pool in tokens: vLLM's ``(num_gpu_blocks − 1) × block_size`` (it holds one null block back),
+    SGLang's ``max_total_num_tokens``."""
     kv_tokens_source: str | None = None
     max_running: int | None = None
     """SGLang's ``max_running_requests``: its slot limit (vLLM does not publish ``max_num_seqs``)."""
@@ -112,8 +114,8 @@ def server_facts(manifest: Manifest | None) -> ServerFacts:
     kv, kv_source = None, None
     engines = num("kv_engines") or 1
     if blocks and block_size:  # one endpoint is one simulated replica: data-parallel engines' pools add up
-        kv = blocks * block_size * engines
-        kv_source = ("server /metrics vllm:cache_config_info num_gpu_blocks × block_size"
+        kv = (blocks - VLLM_NULL_BLOCKS) * block_size * engines
+        kv_source = ("server /metrics vllm:cache_config_info (num_gpu_blocks − 1 null block) × block_size"
                      + (f" × {engines} engines" if engines > 1 else ""))
     elif sglang:
         kv, kv_source = sglang, "server /get_server_info max_total_num_tokens"

@@ -35,6 +35,7 @@ from kvcap.sim.connector_metrics import CONNECTOR_PROFILES, ConnectorMetrics
 from kvcap.sim.records import record_of
 from kvcap.sim.request import SimRequest
 from kvcap.sim.sampler import ReuseCounters, looks_up_prefixes
+from kvcap.specs.scenario import VLLM_NULL_BLOCKS
 
 
 class _Handle(TokenSlot):
@@ -232,7 +233,8 @@ class RealTimeSim:
 
     def _cache_config(self) -> list[MetricFamily]:
         """vLLM's ``cache_config_info`` (facts in labels, value 1), one series per replica labelled ``engine`` as
-        data-parallel vLLM engines report theirs: what ``kvcap bench`` records and ``kvcap calibrate`` reads."""
+        data-parallel vLLM engines report theirs: what ``kvcap bench`` records and ``kvcap calibrate`` reads. vLLM's
+        ``num_gpu_blocks`` counts the null block it holds back, so it is the usable pool plus one."""
         if self.cm.scenario.serving.engine != "vllm":
             return []
         out: list[MetricFamily] = []
@@ -240,7 +242,7 @@ class RealTimeSim:
             cfg = r.cfg
             out.append(Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1.0,
                              f'block_size="{cfg.block_size}",enable_prefix_caching="{cfg.prefix_caching}",'
-                             f'engine="{i}",num_gpu_blocks="{cfg.blocks}",'))
+                             f'engine="{i}",num_gpu_blocks="{cfg.blocks + VLLM_NULL_BLOCKS}",'))
         return out
 
 

@@ -138,6 +138,10 @@ class StepCost(Strict):
     0: no such cost (vLLM's front end is asynchronous)."""
 
 
+VLLM_NULL_BLOCKS = 1
+"""Blocks of vLLM's pool no request can hold: ``cache_config_info``'s ``num_gpu_blocks`` counts the null block
+its block pool keeps back (``BlockPool.null_block``), so the usable pool is one block less."""
+
 HOST_TIER_DEFAULTS: dict[str, Any] = {"host_kv_tokens": None, "host_kv_scope": "node", "kv_tier_profile": "default",
                                       "hicache_write_policy": "write_through"}
 """ServingSpec keys left out of its serialisation at these values (see ``ServingSpec._quiet_defaults``)."""

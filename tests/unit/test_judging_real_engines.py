@@ -38,7 +38,8 @@ def bounds(summary: Summary, limits: EngineLimits) -> list[str]:
 
 
 # vLLM --max-num-seqs 8: 8 run and 8 wait at c=16 with the KV cache 58% used; TPOT 6.8 → 5.4 ms from c=8 to 16.
-# Prompts of 256 tokens in blocks of 128 (vLLM's CPU block): 2 blocks for the next one, 17 of 41 free.
+# Prompts of 256 tokens in blocks of 128 (vLLM's CPU block): 2 blocks for the next one, 17 of 40 usable
+# (vLLM's num_gpu_blocks counts its null block) free.
 CAPPED = summary_of(
     lv(1, 4.0, server_running_max=1, server_waiting_mean=0.0, kv_usage_max=0.07, input_tokens_mean=256.0),
     lv(4, 5.2, server_running_max=4, server_waiting_mean=0.0, kv_usage_max=0.29, input_tokens_mean=256.0),
@@ -52,12 +53,12 @@ def test_a_batch_cap_with_kv_room_is_not_compute():
     # what the old rules said: TPOT ×1.35 from c=1 → "compute"; the cap is inferred: running flat at 8 from c=8
     # while 8 wait, and the next request's blocks fit
     limits = engine_limits(manifest(VLLM_POOL))
-    assert limits.max_running is None and (limits.pool_blocks, limits.block_size) == (41, 128)
+    assert limits.max_running is None and (limits.pool_blocks, limits.block_size) == (40, 128)  # less vLLM's null block
     f = diagnose(CAPPED.levels, "control", limits=limits)
     assert [x.bound for x in f] == ["batch_cap"]
     assert f[0].evidence == (
         "from c=16 requests queue (server waiting 8.0 on average) while 8 run at once, flat from c=8: the "
-        "engine's limit, inferred, with KV room left (24 of 41 blocks of 128 tokens in use at most (58%); the "
+        "engine's limit, inferred, with KV room left (23 of 40 blocks of 128 tokens in use at most (58%); the "
         "next request's 256 prompt tokens need 2 blocks, 17 are free); TPOT p50 6.8 → 5.4 ms from c=8 to c=16 "
         "with the batch held at the cap; TPOT p50 grew 4.0 → 6.8 ms (×1.70) from c=1 to c=8 as the batch grew: a "
         "higher cap costs TPOT")
@@ -91,7 +92,8 @@ def test_below_a_stated_limit_there_is_no_cap():
 
 
 # vLLM with a 24-block pool (--num-gpu-blocks-override 24, blocks of 128) and 1,088-token prompts: 2 run, 2 wait,
-# usage at its block-granular maximum of 78% — 19 blocks used, 5 free, the next prompt needs 9.
+# usage at its block-granular maximum of 78% — 18 of the 23 usable blocks used (vLLM's null block is the 24th),
+# 5 free, the next prompt needs 9.
 FULL_POOL = summary_of(
     lv(1, 5.0, server_running_max=1, server_waiting_mean=0.0, kv_usage_max=0.39, input_tokens_mean=1088.0),
     lv(2, 5.6, server_running_max=2, server_waiting_mean=0.0, kv_usage_max=0.78, input_tokens_mean=1088.0),
@@ -104,7 +106,7 @@ def test_kv_capacity_at_block_granularity_below_any_usage_threshold():
     f = diagnose(FULL_POOL.levels, "control", limits=limits)
     assert [x.bound for x in f] == ["kv_capacity"]                  # not "compute" (TPOT ×1.40), not the cap
     assert f[0].evidence == (
-        "from c=4 the KV pool has no room for the next request with 2.0 requests waiting: 19 of 24 blocks of 128 "
+        "from c=4 the KV pool has no room for the next request with 2.0 requests waiting: 18 of 23 blocks of 128 "
         "tokens in use at most (78%); the next request's 1,088 prompt tokens need 9 blocks, 5 are free; at most 2 "
         "run (decode) at once; TPOT p50 5.6 → 7.0 ms from c=2 to c=4")
     assert f[0].direction.startswith("VRAM for KV binds")
@@ -114,7 +116,7 @@ def test_the_pool_from_the_server_command():
     cmd = "vllm serve m --num-gpu-blocks-override 24 --block-size=128 --max-num-seqs 256"
     assert command_flags(cmd) == {"--num-gpu-blocks-override": 24, "--block-size": 128, "--max-num-seqs": 256}
     limits = engine_limits(manifest(fixed={"server.command": cmd}))
-    assert (limits.pool_blocks, limits.block_size, limits.max_running) == (24, 128, 256)
+    assert (limits.pool_blocks, limits.block_size, limits.max_running) == (23, 128, 256)  # less vLLM's null block
     assert bounds(FULL_POOL, limits) == ["kv_capacity"]
 
 
@@ -122,7 +124,7 @@ def test_a_stated_cap_and_a_full_pool_are_both_named():
     limits = engine_limits(manifest({"num_gpu_blocks": 24, "block_size": 128}, {"serving.max_num_seqs": 2}))
     f = diagnose(FULL_POOL.levels, "control", limits=limits)
     assert [x.bound for x in f] == ["batch_cap", "kv_capacity"]
-    assert f[1].evidence.startswith("at c=4 the KV pool has no room for the next request either: 19 of 24")
+    assert f[1].evidence.startswith("at c=4 the KV pool has no room for the next request either: 18 of 23")
 
 
 def test_a_full_usage_figure_with_blocks_free_is_not_kv_capacity():

@@ -30,7 +30,7 @@ def test_vllm_cache_config_gives_blocks_block_size_and_prefix_caching():
     assert cache_config(VLLM) == {"num_gpu_blocks": 573, "block_size": 16, "enable_prefix_caching": True,
                                   "kv_engines": 1, "engine": "vllm"}
     facts = server_facts(_manifest(cache_config(VLLM)))
-    assert kv_tokens_of(facts, 8, memory_arithmetic=False) == (573 * 16, facts.kv_tokens_source)
+    assert kv_tokens_of(facts, 8, memory_arithmetic=False) == ((573 - 1) * 16, facts.kv_tokens_source)  # null block
     assert "cache_config_info" in (facts.kv_tokens_source or "")
 
 
@@ -39,7 +39,7 @@ def test_data_parallel_engines_each_with_a_pool_add_up():
                    for i in range(4))
     got = cache_config("# TYPE vllm:cache_config_info gauge\n" + text)
     assert got["kv_engines"] == 4 and got["num_gpu_blocks"] == 100
-    assert server_facts(_manifest(got)).kv_tokens == 4 * 100 * 16
+    assert server_facts(_manifest(got)).kv_tokens == 4 * (100 - 1) * 16  # less each engine's null block
 
 
 def test_no_or_broken_cache_config_says_nothing():

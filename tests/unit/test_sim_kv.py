@@ -58,11 +58,11 @@ def test_prefix_blocks_are_shared_ref_counted_and_evicted_last_used_first():
     assert pool.private_need(reuse, 80) == 1  # ceil(80 / 16) = 5, minus 2 × 2 shared
     assert pool.final_blocks(reuse) == 3  # ceil(100 / 16) = 7, minus 4 shared
 
-    pool.release(owner)  # its private block first, then the prefix only it referenced
+    pool.release(owner)  # its unfilled last block free at once (no hash), then the prefix only it referenced
     assert owner.blocks == 0 and owner.shared == ()
-    assert pool.used == 7 and pool.prefix_ref == {1: 1, 2: 1, 3: 0} and list(pool.prefix_lru.values()) == [1, 2]
-    assert pool.cached_blocks == 3 and pool.free() == 6 and pool.usage() == pytest.approx(0.4)
-    assert pool.take(4)  # 3 blocks unallocated: the freed private block is reused for the fourth, prefix 3 kept
+    assert pool.used == 6 and pool.prefix_ref == {1: 1, 2: 1, 3: 0} and list(pool.prefix_lru.values()) == [2]
+    assert pool.cached_blocks == 2 and pool.free() == 6 and pool.usage() == pytest.approx(0.4)
+    assert pool.take(4)  # 4 blocks unallocated, the freed last block among them: prefix 3 kept
     assert pool.used == 10 and pool.prefix_ref[3] == 0 and pool.cached_blocks == 2
     assert pool.take(1)  # now the cached prefix 3 goes
     assert pool.used == 9 and 3 not in pool.prefix_ref and not pool.prefix_lru
@@ -83,11 +83,11 @@ def test_freed_blocks_are_reused_in_the_order_they_were_freed():
     pool.release(a)
     pool.release(b)
     assert list(pool.prefix_lru.values()) == [4, 2, 2, 4, 2, 2] and pool.free() == 16
-    assert pool.take(6)  # a's output blocks, then a's first prefix block
-    assert 10 not in pool.prefix_ref and 11 in pool.prefix_ref and 20 in pool.prefix_ref
+    assert pool.take(6)  # a's output blocks, then a's last prefix block (vLLM frees a request's blocks tail first)
+    assert 11 not in pool.prefix_ref and 10 in pool.prefix_ref and 20 in pool.prefix_ref
     c = request(3, prompt=64, hashes=(20, 21))
     assert pool.hit_blocks(c) == 2 and pool.attach_prefix(c) == 63  # b's prompt still cached
-    assert pool.cached_blocks == 2 + 4  # a's second prefix and b's output blocks stay reclaimable
+    assert pool.cached_blocks == 2 + 4  # a's first prefix and b's output blocks stay reclaimable
 
 
 def test_decode_span_reservations_and_their_return():
