@@ -92,15 +92,16 @@ def tiny_model() -> Path:
     return folder
 
 
-def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """vLLM's environment: CPU backend, no hub, caches and temp files in a folder the test owns."""
-    for sub in ("cache", "inductor", "tmp"):
+def _env(home: Path, tmp: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """vLLM's environment: CPU backend, no hub, caches in a folder the test owns; temp files in ``tmp``, a short
+    path (vLLM's engine binds unix sockets there, whose paths may not pass 107 characters)."""
+    for sub in ("cache", "inductor"):
         (home / sub).mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "LMCACHE_"))}
     env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                 "VLLM_CACHE_ROOT": str(home / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(home / "inductor"),
-                "TMPDIR": str(home / "tmp"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "TMPDIR": str(tmp), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "PYTHONWARNINGS": "ignore::DeprecationWarning"})
     env.update(extra or {})
     return env
@@ -160,8 +161,9 @@ def lmcache_server(home: Path, *, l1_gb: float = 1.0, timeout_s: float = 120.0) 
     python = require_python()
     port, http_port = procs.free_port(), procs.free_port()
     log = home / "lmcache.log"
-    with procs.start(lmcache_command(python, port, http_port, l1_gb), name="lmcache-server", log=log,
-                     env=_env(home), grace_s=10.0) as proc:
+    with tempfile.TemporaryDirectory(prefix="kvlm-") as tmp, \
+            procs.start(lmcache_command(python, port, http_port, l1_gb), name="lmcache-server", log=log,
+                        env=_env(home, Path(tmp)), grace_s=10.0) as proc:
         metrics = f"http://127.0.0.1:{http_port}/metrics"
         _started(proc, metrics, log, "lmcache server", timeout_s)
         yield LmcacheServer(port=port, metrics_url=metrics)
@@ -174,8 +176,9 @@ def vllm_server(home: Path, cfg: VllmConfig = VllmConfig(), *, timeout_s: float 
     model = tiny_model()
     port = procs.free_port()
     log = home / f"vllm-{port}.log"
-    with procs.start(vllm_command(python, model, port, cfg), name="vllm", log=log, env=_env(home),
-                     grace_s=15.0) as proc:
+    with tempfile.TemporaryDirectory(prefix="kvv-") as tmp, \
+            procs.start(vllm_command(python, model, port, cfg), name="vllm", log=log, env=_env(home, Path(tmp)),
+                        grace_s=15.0) as proc:
         base = f"http://127.0.0.1:{port}"
         _started(proc, base + "/health", log, "vLLM", timeout_s)
         yield base
