@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -182,6 +183,14 @@ def vllm_server(home: Path, cfg: VllmConfig = VllmConfig(), *, timeout_s: float 
         base = f"http://127.0.0.1:{port}"
         _started(proc, base + "/health", log, "vLLM", timeout_s)
         yield base
+
+
+def shell_command(home: Path, cfg: VllmConfig, port: int, tmp: Path) -> str:
+    """The same server as one shell command line, for ``kvcap ab`` arms that start and stop their own server
+    (``tmp``: a short folder for vLLM's sockets, which the caller owns)."""
+    env = {k: v for k, v in _env(home, tmp).items() if k not in os.environ or os.environ[k] != v}
+    argv = vllm_command(require_python(), tiny_model(), port, cfg)
+    return " ".join(["env", *(shlex.quote(f"{k}={v}") for k, v in env.items()), *map(shlex.quote, argv)])
 
 
 def scrape(url: str) -> str:

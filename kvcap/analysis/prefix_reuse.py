@@ -126,9 +126,14 @@ def from_counters(increase: dict[str, float]) -> PrefixReuse | None:
         return next((increase[n] for n in names if n in increase), None)
 
     hbm, tier, queries = first(HBM_COUNTERS), first(TIER_HIT_COUNTERS), first(TIER_QUERY_COUNTERS)
+    connector = any(increase.get(n, 0.0) > 0 for n in TIER_PRESENCE)
+    if not connector:
+        # vLLM publishes its external-cache counters, at zero, with no connector: only a connector that was
+        # asked (or that moved blocks) is a tier
+        tier, queries = None, None
     if hbm is None and tier is None and queries is None:
         return None
-    if tier is None and any(n in increase for n in TIER_PRESENCE):
+    if tier is None and connector:
         tier = 0.0  # a connector that reports blocks but not tokens: no token counted as a hit
     return figure("telemetry", first(PROMPT_COUNTERS) or 0.0, hbm, tier, queries)
 

@@ -55,7 +55,6 @@ def test_bench_vllm_matches_its_own_counters(capped, tmp_path):
     server_ttft_s, n = _histogram_mean(before, after, "vllm:time_to_first_token_seconds")
     assert n == len(recs)
     client_ttft_s = sum(r["ttft_ms"] for r in recs) / len(recs) / 1000
-    print("TTFT", client_ttft_s, server_ttft_s, n)
     assert server_ttft_s <= client_ttft_s <= server_ttft_s * 1.25 + 0.010, (client_ttft_s, server_ttft_s)
     # what the pool and the batch cap are, from vLLM's cache_config_info and the telemetry
     assert run.manifest.server.get("num_gpu_blocks") == 64 and run.manifest.server.get("block_size") == BLOCK_TOKENS
