@@ -40,9 +40,12 @@ def test_more_kv_room_on_real_vllm_is_a_performance_gain(tmp_path):
     p = run_cli("ab", str(path), "--out", str(tmp_path / "ab"), "--json", timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(p.stdout)
-    print(json.dumps({k: result.get(k) for k in ("verdict", "moved", "warnings", "findings")}, indent=1)[:3000])
     # the server's own word on what ran at once: 2 in the small pool, up to the cap of 8 in the large one
     running = {arm: max(t["value"] for t in RunDir(tmp_path / "ab" / arm).telemetry()
                         if t["name"] == "server.requests_running") for arm in ARMS}
     assert running == {"control": 2, "treatment": 8}
     assert result["verdict"] == "performance-scaling"
+    assert not any("tier" in w for w in result.get("warnings", [])), result["warnings"]  # no tier in either arm
+    # the control's pool, read from vLLM's cache_config_info, has no room for a third request
+    compare = json.loads((tmp_path / "ab" / "compare.json").read_text())
+    assert "kv_capacity" in [f["bound"] for f in compare["diagnosis"] if f["arm"] == "control"], compare["diagnosis"]
