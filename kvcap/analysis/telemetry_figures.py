@@ -6,7 +6,8 @@ Why: each figure is a mean, maximum, minimum, first/last value or least-squares 
 window, and each of those adds up over slices of time: extremes, first/last values and the NIC peaks exactly; a
 mean as the sum of its slices' sums (the last bits of a float sum depend on its order, so a mean rounded to 4
 decimals over a window longer than a slice can, rarely, differ in that last digit from ``np.mean`` over the
-whole); the trend's centred sums merged (``capacity.TrendSums``). With one slice — any run shorter than
+whole); the trend's centred sums merged (``capacity.TrendSums``); a counter's increase from the samples either side
+of each edge, kept as the slices pass (``counter_increase``). With one slice — any run shorter than
 ``SLICE_S`` — every figure is the same float the whole series gives.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvcap.analysis.capacity import TrendSums
+from kvcap.analysis.counter_increase import WindowIncrease
 from kvcap.analysis.prefix_reuse import COUNTERS
 from kvcap.analysis.telemetry import Series, Telemetry, read_telemetry, series_of
 from kvcap.analysis.telemetry_nodes import NodeFigures, Stat, cut, nodes, servers
@@ -32,6 +34,9 @@ LEVEL_FIGURES = (("link_util_max", "link.util", "max"), ("gpu_util_mean", "gpu.u
 """(key, series, statistic) of a level's cluster-wide figures, in ``summary.json``'s order."""
 HELD = (("running", "server.requests_running"), ("waiting", "server.requests_waiting"),
         ("parked", "server.requests_parked"))
+PREEMPTIONS = "server.preemptions_total"
+COUNTER_SERIES = tuple(dict.fromkeys((PREEMPTIONS, *COUNTERS)))
+"""The counters whose increase over each level window the summary reads."""
 
 
 def telemetry_figures(run: RunDir, windows: list[Window], write_copy: bool = False) -> TelemetryFigures:
@@ -53,6 +58,7 @@ class TelemetryFigures:
     def __init__(self, windows: list[Window]):
         self.windows = windows
         self.stats: list[dict[str, Stat]] = [{} for _ in windows]
+        self.counters: list[dict[str, WindowIncrease]] = [{} for _ in windows]
         self.waiting_trend = [TrendSums() for _ in windows]
         self.resident: list[tuple[float, float]] = []
         self.waiting: list[tuple[float, float]] = []
@@ -71,14 +77,17 @@ class TelemetryFigures:
             if s:
                 i = int(np.argmax(s.v))
                 out.append((float(s.t[i]), float(s.v[i])))
-        names = [n for _, n, _ in LEVEL_FIGURES] + ["server.preemptions_total", *COUNTERS]
-        cluster = {name: cut(series_of(tel, name), lo, hi) for name in dict.fromkeys(names)}
+        cluster = {name: cut(series_of(tel, name), lo, hi) for name in dict.fromkeys(n for _, n, _ in LEVEL_FIGURES)}
+        counters = {name: cut(series_of(tel, name), lo, hi) for name in COUNTER_SERIES}
         for w, (t0, t1) in enumerate(self.windows):
             stats = self.stats[w]
             for key, s in held.items():
                 stats.setdefault(key, Stat()).add(s.within(t0, t1).v)
             for name, s in cluster.items():
                 stats.setdefault(name, Stat()).add(s.within(t0, t1).v)
+            for name, s in counters.items():
+                if s:  # every sample of the slice: those just outside the window set its edges' values
+                    self.counters[w].setdefault(name, WindowIncrease(t0, t1)).add(s.t, s.v)
             inside = held["waiting"].within(t0, t1)
             self.waiting_trend[w].add(inside.t, inside.v)
         self.nodes.add(tel, lo, hi)
@@ -99,18 +108,25 @@ class TelemetryFigures:
                 out[key] = round(s.of(stat), 4)
         return out
 
+    def increase(self, w: int, name: str) -> float | None:
+        """Counter ``name``'s increase over window ``w`` (``counter_increase``: its value at each edge interpolated
+        between the samples either side; a reset counts as no increase); None where fewer than two samples lie in
+        and just around the window."""
+        c = self.counters[w].get(name)
+        return c.value() if c is not None else None
+
     def preemptions(self, w: int) -> float:
-        s = self.stats[w].get("server.preemptions_total")
-        return s.last - s.first if s is not None and s.n >= 2 else 0
+        """The server's preemptions over window ``w`` (0 without the counter)."""
+        n = self.increase(w, PREEMPTIONS)
+        return round(n, 3) if n is not None else 0
 
     def increases(self, w: int) -> dict[str, float]:
-        """The prefix and tier counters (``prefix_reuse.COUNTERS``) with two samples or more in window ``w``: each
-        one's increase over it (a reset, which only lowers the last value, counts as none)."""
+        """The prefix and tier counters (``prefix_reuse.COUNTERS``) that cover window ``w``: each one's increase."""
         out = {}
         for name in COUNTERS:
-            s = self.stats[w].get(name)
-            if s is not None and s.n >= 2:
-                out[name] = max(s.last - s.first, 0.0)
+            n = self.increase(w, name)
+            if n is not None:
+                out[name] = n
         return out
 
     def maxima(self, of: list[tuple[float, float]]) -> Series:
