@@ -11,6 +11,8 @@ not interpolated across it — it takes the sample on the window's side.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 Sample = tuple[float, float]
@@ -31,11 +33,17 @@ def value_at(edge: float, before: Sample | None, after: Sample | None, start: bo
     return va + (vb - va) * (edge - ta) / (tb - ta)
 
 
-def increase(t0: float, t1: float, edges: tuple[Sample | None, Sample | None, Sample | None, Sample | None]) -> float:
+def increase(t0: float, t1: float, edges: tuple[Sample | None, Sample | None, Sample | None, Sample | None],
+             whole: bool = False) -> float:
     """The increase over [t0, t1] given the samples around each edge: (last at or before t0, first after t0, last
-    at or before t1, first after t1) — the one rule every per-level counter figure uses."""
+    at or before t1, first after t1) — the one rule every per-level counter figure uses. ``whole``: a count of
+    events (preemptions), each edge's value rounded down first, so an event between two samples falls in exactly
+    one window, the one where the interpolated count passes it, and adjacent windows still add up."""
     before0, after0, before1, after1 = edges
-    return max(value_at(t1, before1, after1, False) - value_at(t0, before0, after0, True), 0.0)
+    end, start = value_at(t1, before1, after1, False), value_at(t0, before0, after0, True)
+    if whole:
+        end, start = math.floor(end), math.floor(start)
+    return max(end - start, 0.0)
 
 
 class WindowIncrease:
@@ -75,11 +83,12 @@ class WindowIncrease:
         outside_before = self.before0 is not None and self.before0[0] < self.t0
         return self.inside + int(outside_before) + int(self.after1 is not None)
 
-    def value(self) -> float | None:
-        """The increase; None with fewer than two samples in and around the window (the counter did not cover it)."""
+    def value(self, whole: bool = False) -> float | None:
+        """The increase (``whole``: see :func:`increase`); None with fewer than two samples in and around the window
+        (the counter did not cover it)."""
         if self.samples < 2:
             return None
-        return increase(self.t0, self.t1, (self.before0, self.after0, self.before1, self.after1))
+        return increase(self.t0, self.t1, (self.before0, self.after0, self.before1, self.after1), whole)
 
 
 def window_increases(t: np.ndarray, v: np.ndarray, windows: list[tuple[float, float]]) -> list[float | None]:

@@ -43,7 +43,7 @@ TIER_PRESENCE = (*TIER_HIT_COUNTERS, *TIER_QUERY_COUNTERS, "server.offload_block
 """Any of these series in a run's telemetry: the server has an offload connector (a tier is on)."""
 COUNTERS = tuple(dict.fromkeys((*PROMPT_COUNTERS, *HBM_COUNTERS, *TIER_HIT_COUNTERS, *TIER_QUERY_COUNTERS,
                                 *TIER_PRESENCE)))
-"""Every counter the figure reads (``telemetry_figures`` keeps each one's first and last value per window)."""
+"""Every counter the figure reads (``telemetry_figures`` takes each one's increase per window at its edges)."""
 
 
 @dataclass

@@ -108,17 +108,18 @@ class TelemetryFigures:
                 out[key] = round(s.of(stat), 4)
         return out
 
-    def increase(self, w: int, name: str) -> float | None:
+    def increase(self, w: int, name: str, whole: bool = False) -> float | None:
         """Counter ``name``'s increase over window ``w`` (``counter_increase``: its value at each edge interpolated
         between the samples either side; a reset counts as no increase); None where fewer than two samples lie in
         and just around the window."""
         c = self.counters[w].get(name)
-        return c.value() if c is not None else None
+        return c.value(whole) if c is not None else None
 
     def preemptions(self, w: int) -> float:
-        """The server's preemptions over window ``w`` (0 without the counter)."""
-        n = self.increase(w, PREEMPTIONS)
-        return round(n, 3) if n is not None else 0
+        """The server's preemptions over window ``w`` in whole preemptions (0 without the counter): one that fell
+        between two samples at a level's edge belongs to one level, not a share to each."""
+        n = self.increase(w, PREEMPTIONS, whole=True)
+        return float(n) if n is not None else 0
 
     def increases(self, w: int) -> dict[str, float]:
         """The prefix and tier counters (``prefix_reuse.COUNTERS``) that cover window ``w``: each one's increase."""

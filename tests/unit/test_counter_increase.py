@@ -103,6 +103,6 @@ def test_telemetry_figures_read_each_counter_this_way(cut: float | None) -> None
     assert level_2["server.offload_prefix_hits_total"] == pytest.approx(LEVEL_2_INCREASE, abs=1e-9)
     assert level_2["server.prefix_cache_hits_total"] == pytest.approx(10.0)  # both samples inside
     assert "server.prefix_cache_hits_total" not in figures.increases(0)  # every sample after level 1
-    # preemptions: 0 at 7.0 s, 4 at 8.0 s; the edge 7.477 s is 0.477 of the way
-    assert figures.preemptions(0) == pytest.approx(round(4 * 0.477, 3))
-    assert figures.preemptions(1) == pytest.approx(round(4 - 4 * 0.477, 3))
+    # preemptions: 0 at 7.0 s, 4 at 8.0 s; at the edge 7.477 s the line reads 1.908: one whole preemption before
+    # it, three after — each in one level, none split
+    assert (figures.preemptions(0), figures.preemptions(1)) == (1.0, 3.0)

@@ -1,0 +1,51 @@
+"""A host-RAM tier in a second engine: real llama.cpp with its host prompt cache off (``--cache-ram 0``) and on,
+under multi-turn sessions with more users than slots — each turn resends the whole history, and a slot another
+user took has lost it. With the cache, the history comes back from host RAM instead of being computed again:
+``compare`` names the gain at equal concurrency, and llama.cpp's own per-request count of cached prompt tokens
+says where it came from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcap.rundir import RunDir
+from tests.conftest import run_cli
+from tests.llamacpp import llama_server
+from tests.tiny_gguf import write_tiny_llama_gguf
+
+pytestmark = pytest.mark.llamacpp
+
+SHAPE = {"n_layers": 4, "hidden": 256, "n_heads": 4, "n_kv_heads": 2, "ff": 768}
+SLOTS, CTX = 2, 2 * 2048
+SESSIONS = ("--turns", "6", "--think-time", "0s", "--input-tokens", "150", "--output-tokens", "32",
+            "--concurrency", "2,4", "--requests", "48", "--warmup", "0s", "--seed", "5")
+ARMS = {"control": "0", "treatment": "256"}
+"""``--cache-ram`` in MiB per arm."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("host-cache")
+    gguf = write_tiny_llama_gguf(root / "tiny.gguf", **SHAPE)
+    for arm, mib in ARMS.items():
+        with llama_server(gguf, parallel=SLOTS, ctx_size=CTX, extra_args=("--cache-ram", mib)) as url:
+            p = run_cli("bench", "--url", url, "--out", str(root / arm), "--quiet", *SESSIONS,
+                        "--metrics-url", url + "/metrics", "--slo", "ttft_p95=300ms", timeout=900)
+            assert p.returncode == 0, p.stderr[-3000:]
+    return root
+
+
+def test_the_host_cache_serves_histories_the_slots_lost(runs):
+    control, treatment = (RunDir(runs / arm).records() for arm in ARMS)
+    assert all(r["ok"] for r in control + treatment)
+    prompt = {arm: sum(r["input_tokens"] for r in recs) for arm, recs in (("control", control),
+                                                                            ("treatment", treatment))}
+    assert prompt["control"] == prompt["treatment"]  # the same sessions, turn for turn
+    p = run_cli("compare", str(runs / "control"), str(runs / "treatment"), "--json", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    verdict = json.loads(p.stdout)
+    print(json.dumps({k: verdict.get(k) for k in ("verdict", "moved", "warnings", "treatment_took_effect")},
+                     indent=1)[:3000])
+    assert verdict["verdict"] in ("performance-only", "performance-scaling"), verdict["verdict"]
