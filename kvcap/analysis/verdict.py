@@ -227,25 +227,9 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     efficiency = None
     if ec and et and ec != et and control.goodput_tok_s > 0:
         efficiency = round((treatment.goodput_tok_s / control.goodput_tok_s - 1) / (et / ec - 1), 4)
-    warnings = []
     tiers = TierHits.of(sc, records_hit_nothing(rc)), TierHits.of(st, records_hit_nothing(rt))
-    cached = CachedHits.of(sc), CachedHits.of(st)
-    held = treatment_took_effect(sc.levels, st.levels)
-    more_tier = tier_took_effect(*tiers)
-    more_cached = cached_took_effect(*cached)
-    signs = (held, more_tier, more_cached)
-    took_effect = True if True in signs else False if False in signs else None
-    evidence = [tier_evidence(*tiers)] if more_tier else []
-    if more_cached:
-        evidence.append(cached_evidence(*cached))
-    if took_effect is False and more_cached is not None:
-        warnings.append(no_sign_warning(held, more_tier))
-    elif took_effect is False:
-        warnings.append("no server-side sign that the treatment took effect (no more requests running or parked"
-                        + (", no more tier-hit tokens)" if more_tier is False and held is not False else ")"))
-    elif took_effect is None:
-        warnings.append("no server telemetry in these runs (bench --metrics-url): cannot tell whether the treatment "
-                        "took effect")
+    took_effect, evidence, effect_warning = effect_signs(sc, st, tiers)
+    warnings = [effect_warning] if effect_warning else []
     idle = idle_tier_warning(mt, tiers[1])
     if idle:
         warnings.append(idle)
@@ -383,6 +367,33 @@ def treatment_took_effect(control: list[LevelSummary], treatment: list[LevelSumm
     if not pairs:
         return None
     return any(b > a for a, b in pairs)
+
+
+def effect_signs(control: Summary, treatment: Summary, tiers: tuple[TierHits, TierHits]
+                 ) -> tuple[bool | None, list[str], str | None]:
+    """Whether the treatment took effect by the server's signs — more requests held (telemetry), more tier-hit
+    tokens, more prompt tokens the server says it served from its cache (its per-request ``cached_tokens``): True
+    when one says so, False when none does and one was known, None when none was known; with the evidence lines
+    and the warning (None without one)."""
+    cached = CachedHits.of(control), CachedHits.of(treatment)
+    held = treatment_took_effect(control.levels, treatment.levels)
+    more_tier = tier_took_effect(*tiers)
+    more_cached = cached_took_effect(*cached)
+    signs = (held, more_tier, more_cached)
+    took_effect = True if True in signs else False if False in signs else None
+    evidence = [tier_evidence(*tiers)] if more_tier else []
+    if more_cached:
+        evidence.append(cached_evidence(*cached))
+    warning = None
+    if took_effect is False and more_cached is not None:
+        warning = no_sign_warning(held, more_tier)
+    elif took_effect is False:
+        warning = ("no server-side sign that the treatment took effect (no more requests running or parked"
+                   + (", no more tier-hit tokens)" if more_tier is False and held is not False else ")"))
+    elif took_effect is None:
+        warning = ("no server telemetry in these runs (bench --metrics-url): cannot tell whether the treatment "
+                   "took effect")
+    return took_effect, evidence, warning
 
 
 class TierHits:
