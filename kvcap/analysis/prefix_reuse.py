@@ -58,6 +58,8 @@ class RecordHits:
     carried: bool = False
     levels: dict[Key, PrefixReuse] = field(default_factory=dict)
     path: Path | None = None
+    counts_cached: bool | None = None
+    """Some record carries a ``cached_tokens`` count (None: not looked for)."""
 
     @property
     def known_zero(self) -> bool:
@@ -68,14 +70,16 @@ class RecordHits:
     def cached(self) -> dict[Key, PrefixReuse]:
         """Per level, the figure from the records' ``cached_tokens`` (:func:`cached_figure`); {} when no record
         carries a count (a byte search: nothing parsed)."""
-        return record_cached(self.path) if self.path is not None else {}
+        if self.path is None or self.counts_cached is False:
+            return {}
+        return record_cached(self.path, searched=self.counts_cached is True)
 
 
 def record_hits(run: RunDir) -> RecordHits:
     """The records' hit counts per level (see :class:`RecordHits`)."""
     path = run.dir / REQUESTS
-    carried, hit = _scan(path)
-    out = RecordHits(carried=carried, path=path)
+    carried, hit, counts_cached = _scan(path)
+    out = RecordHits(carried=carried, path=path, counts_cached=counts_cached)
     if not hit:
         return out
     sums: dict[Key, list[int]] = {}
@@ -93,11 +97,12 @@ def record_hits(run: RunDir) -> RecordHits:
     return out
 
 
-def record_cached(path: Path) -> dict[Key, PrefixReuse]:
+def record_cached(path: Path, searched: bool = False) -> dict[Key, PrefixReuse]:
     """Per level, the prompt tokens and the server's own ``cached_tokens`` summed over every measured request that
-    succeeded (all repeats); {} when no record carries a count. In a run where some record carries one, a record
-    whose count is None counts 0: vLLM leaves the count out of a request that found nothing."""
-    if not _carries_cached(path):
+    succeeded (all repeats); {} when no record carries a count (``searched``: one is known to). In a run where
+    some record carries one, a record whose count is None counts 0: vLLM leaves the count out of a request that
+    found nothing."""
+    if not searched and not _scan(path, hits=False)[2]:
         return {}
     sums: dict[Key, list[int]] = {}
     for rec in iter_jsonl(path):
@@ -119,42 +124,35 @@ def cached_figure(prompt: float, cached: float) -> PrefixReuse:
     return reuse
 
 
-def _carries_cached(path: Path) -> bool:
-    """Some record carries a ``cached_tokens`` count (a byte search: no record parsed)."""
-    try:
-        with open(path, "rb") as f:
-            tail = b""
-            while block := f.read(_SCAN_BYTES):
-                text = tail + block
-                if _CACHED_COUNT.search(text):
-                    return True
-                tail = text[-40:]
-    except FileNotFoundError:
-        log.debug("no %s in the run directory: no cached_tokens", REQUESTS)
-    return False
-
-
 def records_hit_nothing(run: RunDir) -> bool:
     """The run's records carry hit counts and every one is zero (a byte search: nothing parsed)."""
-    carried, hit = _scan(run.dir / REQUESTS)
+    carried, hit, _ = _scan(run.dir / REQUESTS)
     return carried and not hit
 
 
-def _scan(path: Path) -> tuple[bool, bool]:
-    """(some record carries hit fields, some hit field is nonzero), by a byte search: no record parsed."""
-    carried = False
+def _scan(path: Path, hits: bool = True) -> tuple[bool, bool, bool | None]:
+    """(some record carries hit fields, some hit field is nonzero, some record carries a ``cached_tokens`` count),
+    by a byte search: no record parsed. The search stops at the first nonzero hit, the cached count then unknown
+    unless seen (None); ``hits`` False looks for the cached count alone."""
+    carried = cached = False
     try:
         with open(path, "rb") as f:
             tail = b""
             while block := f.read(_SCAN_BYTES):
                 text = tail + block
-                if _NONZERO.search(text):
-                    return True, True
-                carried = carried or bool(_CARRIED.search(text))
+                if not cached:
+                    cached = bool(_CACHED_COUNT.search(text))
+                if not hits:
+                    if cached:
+                        break
+                elif _NONZERO.search(text):
+                    return True, True, cached or None
+                else:
+                    carried = carried or bool(_CARRIED.search(text))
                 tail = text[-40:]  # a field split across two blocks is found in the next
     except FileNotFoundError:
         log.debug("no %s in the run directory: no record hits", REQUESTS)
-    return carried, False
+    return carried, False, cached
 
 
 def figure(source: str, prompt: float, hbm: float | None, tier: float | None,
