@@ -1,11 +1,12 @@
 """Prefix reuse per level: prompt tokens, and the part of them served from the HBM prefix cache or loaded from a
 lower KV tier instead of computed — the work a cache tier can save, which is where more memory can pay.
 
-Two sources, the records first: ``sim`` records carry ``prefix_hit_tokens`` and ``tier_hit_tokens`` per request
+Three sources, in this order: ``sim`` records carry ``prefix_hit_tokens`` and ``tier_hit_tokens`` per request
 (summed over every measured request of a level that succeeded, all repeats); a real server's counters
 (``server.prefix_cache_*``, ``server.offload_*``, normalised by the telemetry catalog) give their increase over
-the level's window. A run whose records never hit and whose telemetry has no such counters gets no figure, so
-its summary stays as it was; :class:`RecordHits` still tells the comparison that its hits were zero.
+the level's window; a level without such counters whose ``bench`` records carry the server's own per-request
+``cached_tokens`` gets their sum (:func:`cached_figure`: HBM and tier not split). A run with none of these gets
+no figure, so its summary stays as it was; :class:`RecordHits` still tells the comparison that its hits were zero.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from kvcap.errors import InputError
@@ -24,9 +26,10 @@ from kvcap.specs.lengths import parse_length
 log = logging.getLogger(__name__)
 
 Key = tuple[str, float]
-HBM_FIELD, TIER_FIELD = "prefix_hit_tokens", "tier_hit_tokens"
+HBM_FIELD, TIER_FIELD, CACHED_FIELD = "prefix_hit_tokens", "tier_hit_tokens", "cached_tokens"
 _CARRIED = re.compile(rb'"(?:prefix|tier)_hit_tokens"')
 _NONZERO = re.compile(rb'"(?:prefix|tier)_hit_tokens": ?[1-9]')
+_CACHED_COUNT = re.compile(rb'"cached_tokens": ?[0-9]')
 _SCAN_BYTES = 1 << 20
 
 PROMPT_COUNTERS = ("server.prefix_cache_queries_total", "server.prompt_tokens_total")
@@ -49,22 +52,34 @@ COUNTERS = tuple(dict.fromkeys((*PROMPT_COUNTERS, *HBM_COUNTERS, *TIER_HIT_COUNT
 @dataclass
 class RecordHits:
     """What a run's records say about hits: ``carried`` — some record has the hit fields; ``levels`` — per level
-    the figure, filled only when some record hit (a run whose hits are all zero costs a scan, not a parse)."""
+    the figure, filled only when some record hit (a run whose hits are all zero costs a scan, not a parse);
+    ``cached`` — per level the figure from the server's ``cached_tokens``, read only when first asked for."""
 
     carried: bool = False
     levels: dict[Key, PrefixReuse] = field(default_factory=dict)
+    path: Path | None = None
+    counts_cached: bool | None = None
+    """Some record carries a ``cached_tokens`` count (None: not looked for)."""
 
     @property
     def known_zero(self) -> bool:
         """The records carry hit counts and every one is zero."""
         return self.carried and not self.levels
 
+    @cached_property
+    def cached(self) -> dict[Key, PrefixReuse]:
+        """Per level, the figure from the records' ``cached_tokens`` (:func:`cached_figure`); {} when no record
+        carries a count (a byte search: nothing parsed)."""
+        if self.path is None or self.counts_cached is False:
+            return {}
+        return record_cached(self.path, searched=self.counts_cached is True)
+
 
 def record_hits(run: RunDir) -> RecordHits:
     """The records' hit counts per level (see :class:`RecordHits`)."""
     path = run.dir / REQUESTS
-    carried, hit = _scan(path)
-    out = RecordHits(carried=carried)
+    carried, hit, counts_cached = _scan(path)
+    out = RecordHits(carried=carried, path=path, counts_cached=counts_cached)
     if not hit:
         return out
     sums: dict[Key, list[int]] = {}
@@ -82,27 +97,62 @@ def record_hits(run: RunDir) -> RecordHits:
     return out
 
 
+def record_cached(path: Path, searched: bool = False) -> dict[Key, PrefixReuse]:
+    """Per level, the prompt tokens and the server's own ``cached_tokens`` summed over every measured request that
+    succeeded (all repeats); {} when no record carries a count (``searched``: one is known to). In a run where
+    some record carries one, a record whose count is None counts 0: vLLM leaves the count out of a request that
+    found nothing."""
+    if not searched and not _scan(path, hits=False)[2]:
+        return {}
+    sums: dict[Key, list[int]] = {}
+    for rec in iter_jsonl(path):
+        if not isinstance(rec, dict) or not rec.get("ok") or rec.get("phase", "measure") != "measure":
+            continue
+        key = (str(rec.get("mode", "concurrency")), float(rec.get("level", 0)))
+        acc = sums.setdefault(key, [0, 0])
+        acc[0] += int(rec.get("input_tokens") or 0)
+        acc[1] += int(rec.get(CACHED_FIELD) or 0)
+    return {key: cached_figure(prompt, cached) for key, (prompt, cached) in sums.items()}
+
+
+def cached_figure(prompt: float, cached: float) -> PrefixReuse:
+    """A level's figure from the server's per-request ``cached_tokens``: the server does not say which cache
+    served them, so the total goes in ``hbm_hit_tokens`` (the prefix cache it looks up first) and again in
+    ``server_cached_tokens``, which marks the split as unknown; ``tier_hit_tokens`` stays None."""
+    reuse = figure("records", prompt, cached, None)
+    reuse.server_cached_tokens = _number(cached)
+    return reuse
+
+
 def records_hit_nothing(run: RunDir) -> bool:
     """The run's records carry hit counts and every one is zero (a byte search: nothing parsed)."""
-    carried, hit = _scan(run.dir / REQUESTS)
+    carried, hit, _ = _scan(run.dir / REQUESTS)
     return carried and not hit
 
 
-def _scan(path: Path) -> tuple[bool, bool]:
-    """(some record carries hit fields, some hit field is nonzero), by a byte search: no record parsed."""
-    carried = False
+def _scan(path: Path, hits: bool = True) -> tuple[bool, bool, bool | None]:
+    """(some record carries hit fields, some hit field is nonzero, some record carries a ``cached_tokens`` count),
+    by a byte search: no record parsed. The search stops at the first nonzero hit, the cached count then unknown
+    unless seen (None); ``hits`` False looks for the cached count alone."""
+    carried = cached = False
     try:
         with open(path, "rb") as f:
             tail = b""
             while block := f.read(_SCAN_BYTES):
                 text = tail + block
-                if _NONZERO.search(text):
-                    return True, True
-                carried = carried or bool(_CARRIED.search(text))
+                if not cached:
+                    cached = bool(_CACHED_COUNT.search(text))
+                if not hits:
+                    if cached:
+                        break
+                elif _NONZERO.search(text):
+                    return True, True, cached or None
+                else:
+                    carried = carried or bool(_CARRIED.search(text))
                 tail = text[-40:]  # a field split across two blocks is found in the next
     except FileNotFoundError:
         log.debug("no %s in the run directory: no record hits", REQUESTS)
-    return carried, False
+    return carried, False, cached
 
 
 def figure(source: str, prompt: float, hbm: float | None, tier: float | None,

@@ -88,8 +88,8 @@ def build_summary(run: RunDir, slo: dict[str, float] | None = None, reader: Read
         apply_conditions([lv for lv in levels if lv["mode"] == mode], slo, extra[mode])
     hits = record_hits(run)
     for w, (key, entry) in enumerate(zip(keys, levels)):
-        reuse = hits.levels.get(key, figure("records", 0, 0, 0)) if hits.levels else from_counters(
-            figures.increases(w))
+        reuse = hits.levels.get(key, figure("records", 0, 0, 0)) if hits.levels else (
+            from_counters(figures.increases(w)) or hits.cached.get(key))
         if reuse is not None:
             entry["prefix_reuse"] = reuse.to_json()
     capacity = capacities(levels, slo, figures.maxima(figures.resident), figures.maxima(figures.waiting))

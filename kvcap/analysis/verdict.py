@@ -227,18 +227,9 @@ def compare(control_dir: str, treatment_dir: str, slo: dict[str, float] | None =
     efficiency = None
     if ec and et and ec != et and control.goodput_tok_s > 0:
         efficiency = round((treatment.goodput_tok_s / control.goodput_tok_s - 1) / (et / ec - 1), 4)
-    warnings = []
     tiers = TierHits.of(sc, records_hit_nothing(rc)), TierHits.of(st, records_hit_nothing(rt))
-    held = treatment_took_effect(sc.levels, st.levels)
-    more_tier = tier_took_effect(*tiers)
-    took_effect = True if True in (held, more_tier) else False if False in (held, more_tier) else None
-    evidence = [tier_evidence(*tiers)] if more_tier else []
-    if took_effect is False:
-        warnings.append("no server-side sign that the treatment took effect (no more requests running or parked"
-                        + (", no more tier-hit tokens)" if more_tier is False and held is not False else ")"))
-    elif took_effect is None:
-        warnings.append("no server telemetry in these runs (bench --metrics-url): cannot tell whether the treatment "
-                        "took effect")
+    took_effect, evidence, effect_warning = effect_signs(sc, st, tiers)
+    warnings = [effect_warning] if effect_warning else []
     idle = idle_tier_warning(mt, tiers[1])
     if idle:
         warnings.append(idle)
@@ -378,6 +369,33 @@ def treatment_took_effect(control: list[LevelSummary], treatment: list[LevelSumm
     return any(b > a for a, b in pairs)
 
 
+def effect_signs(control: Summary, treatment: Summary, tiers: tuple[TierHits, TierHits]
+                 ) -> tuple[bool | None, list[str], str | None]:
+    """Whether the treatment took effect by the server's signs — more requests held (telemetry), more tier-hit
+    tokens, more prompt tokens the server says it served from its cache (its per-request ``cached_tokens``): True
+    when one says so, False when none does and one was known, None when none was known; with the evidence lines
+    and the warning (None without one)."""
+    cached = CachedHits.of(control), CachedHits.of(treatment)
+    held = treatment_took_effect(control.levels, treatment.levels)
+    more_tier = tier_took_effect(*tiers)
+    more_cached = cached_took_effect(*cached)
+    signs = (held, more_tier, more_cached)
+    took_effect = True if True in signs else False if False in signs else None
+    evidence = [tier_evidence(*tiers)] if more_tier else []
+    if more_cached:
+        evidence.append(cached_evidence(*cached))
+    warning = None
+    if took_effect is False and more_cached is not None:
+        warning = no_sign_warning(held, more_tier)
+    elif took_effect is False:
+        warning = ("no server-side sign that the treatment took effect (no more requests running or parked"
+                   + (", no more tier-hit tokens)" if more_tier is False and held is not False else ")"))
+    elif took_effect is None:
+        warning = ("no server telemetry in these runs (bench --metrics-url): cannot tell whether the treatment "
+                   "took effect")
+    return took_effect, evidence, warning
+
+
 class TierHits:
     """One arm's prompt tokens loaded from a lower tier, summed over its levels' ``prefix_reuse`` figures (None:
     unknown — no figure reports a tier and the records do not say they hit nothing)."""
@@ -437,6 +455,76 @@ def tier_evidence(control: TierHits, treatment: TierHits) -> str:
     return (f"more prompt tokens loaded from a lower tier: {t[0]:,.0f} tier-hit tokens in the treatment"
             f"{share(t)} vs {c[0]:,.0f} in the control{share(c)}, from "
             + " and ".join(where.get(s, s) for s in sources))
+
+
+CACHED_MARGIN = 0.05
+"""The least rise, in the share of prompt tokens a server says it served from its cache (its per-request
+``cached_tokens``), that counts as a sign the treatment took effect: two runs of one setup differ by a cache block
+here and there."""
+
+
+class CachedHits:
+    """One arm's prompt tokens the server says it served from its cache, from the levels whose ``prefix_reuse``
+    came from the records' ``cached_tokens`` (``server_cached_tokens``: a ``bench`` run without prefix counters)."""
+
+    def __init__(self, levels: dict[tuple[str, float], tuple[float, float]]):
+        self.levels = levels
+        """(mode, level) → (cached tokens, prompt tokens)."""
+
+    @classmethod
+    def of(cls, summary: Summary) -> CachedHits:
+        return cls({(lv.mode, float(lv.level)): (float(r.server_cached_tokens), float(r.prompt_tokens))
+                    for lv in summary.levels
+                    if (r := lv.prefix_reuse) is not None and r.server_cached_tokens is not None})
+
+    def total(self, keys: set[tuple[str, float]] | None = None) -> tuple[float, float] | None:
+        """(cached tokens, prompt tokens) over ``keys`` (every level when None); None without a prompt token."""
+        rows = [v for k, v in self.levels.items() if keys is None or k in keys]
+        cached, prompt = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        return (cached, prompt) if prompt > 0 else None
+
+
+CachedTotal = tuple[float, float]
+"""(cached tokens, prompt tokens)."""
+
+
+def _cached_totals(control: CachedHits, treatment: CachedHits) -> tuple[CachedTotal, CachedTotal] | None:
+    """Both arms' (cached, prompt) tokens at the levels both report (else over every level); None: unknown."""
+    both = set(control.levels) & set(treatment.levels) or None
+    c, t = control.total(both), treatment.total(both)
+    return (c, t) if c is not None and t is not None else None
+
+
+def cached_took_effect(control: CachedHits, treatment: CachedHits) -> bool | None:
+    """True: the treatment's share of prompt tokens served from the server's cache (its own per-request count) is
+    above the control's by more than ``CACHED_MARGIN``; False: known for both and not; None: unknown for either."""
+    totals = _cached_totals(control, treatment)
+    if totals is None:
+        return None
+    c, t = totals
+    return t[0] / t[1] - c[0] / c[1] > CACHED_MARGIN
+
+
+def cached_evidence(control: CachedHits, treatment: CachedHits) -> str:
+    """The cached-tokens evidence line, with its numbers and where they came from."""
+    totals = _cached_totals(control, treatment)
+    if totals is None:
+        return ""
+    c, t = totals
+    return (f"more prompt tokens served from the server's cache: {t[0]:,.0f} cached tokens in the treatment "
+            f"({t[0] / t[1]:.1%} of {t[1]:,.0f} prompt tokens) vs {c[0]:,.0f} in the control ({c[0] / c[1]:.1%} of "
+            f"{c[1]:,.0f}), more than the {CACHED_MARGIN:.0%} margin, from the server's per-request cached_tokens")
+
+
+def no_sign_warning(held: bool | None, more_tier: bool | None) -> str:
+    """The warning where the server's cached tokens were known for both arms and no sign says the treatment took
+    effect: what was looked at, each with its source."""
+    looked = ["no more cached prompt tokens (the server's per-request cached_tokens)"]
+    if held is False:
+        looked.insert(0, "no more requests running or parked")
+    if more_tier is False:
+        looked.append("no more tier-hit tokens")
+    return "no server-side sign that the treatment took effect (" + ", ".join(looked) + ")"
 
 
 def idle_tier_warning(manifest: Manifest | None, hits: TierHits) -> str | None:

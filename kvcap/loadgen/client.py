@@ -9,7 +9,9 @@ Why it is written the way it is:
 - the first *content* token ends TTFT (a chat stream's role-only first chunk does not);
 - a multi-token event contributes one ITL per token (its gap split evenly), so len(itl) = N − 1;
 - failures are classified per request and never raise into the runner (except cancellation, re-raised after
-  the record is handed over).
+  the record is handed over);
+- the server's own count of prompt tokens it found cached is read from the objects already parsed (the usage's
+  ``prompt_tokens_details``, else llama.cpp's ``timings``): an event only keeps a reference, the record reads it.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class Outcome:
     event_chars: list[int] = field(default_factory=list)
     event_texts: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    """llama.cpp's ``timings`` object, from the last event carrying one."""
     finish_reason: str | None = None
     status: int | None = None
     error: str | None = None
@@ -122,6 +126,23 @@ def _split_tokens(chars: list[int], texts: list[str], total: int, counter: Token
     for i in order[:left]:
         floors[i] += 1
     return [b + f for b, f in zip(base, floors)]
+
+
+def _count(x: Any) -> int | None:
+    """A token count the server sent, None when it is not one (absent, null, not a number)."""
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 else None
+
+
+def cached_tokens(usage: dict[str, Any], timings: dict[str, Any] | None) -> int | None:
+    """The prompt tokens the server says it served from its prefix cache: ``usage.prompt_tokens_details
+    .cached_tokens`` (vLLM with ``--enable-prompt-tokens-details``, SGLang, llama.cpp), else llama.cpp's
+    ``timings.cache_n`` (the same figure, in builds without the usage detail); None when the server said neither.
+    vLLM leaves the detail out when it found nothing: that request's count is None, not 0."""
+    details = usage.get("prompt_tokens_details")
+    n = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    if n is None and isinstance(timings, dict):
+        n = _count(timings.get("cache_n"))
+    return n
 
 
 def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, tags: RecordTags,
@@ -156,6 +177,7 @@ def to_record(o: Outcome, req: RequestSpec, counter: TokenCounter | None, tags: 
         "send_delay_ms": round((o.t_sent - o.t_sched) * 1e3, 3),
         "ok": ok, "error": error, "status": o.status,
         "input_tokens": int(usage.get("prompt_tokens") or req.input_tokens),
+        "cached_tokens": cached_tokens(usage, o.timings),
         "output_tokens": n_out, "requested_output_tokens": req.output_tokens, "tokens_source": source,
         "ttft_ms": _r(ttft), "tpot_ms": _r(tpot), "e2e_ms": _r(e2e),
         "itl_ms": [round(x, 3) for x in itl], "queue_ms": None,
@@ -321,6 +343,8 @@ def _handle_event(event: bytes, o: Outcome, chat: bool, now: float) -> bool:
             return True
         if obj.get("usage"):
             o.usage = obj["usage"]
+        if obj.get("timings"):  # llama.cpp: kept as is, read once by the record
+            o.timings = obj["timings"]
         for choice in obj.get("choices") or ():
             if chat:
                 delta = choice.get("delta") or {}

@@ -98,6 +98,7 @@ class RequestRecord(_RecordCore, total=False):
     copy_ms: float
     prefix_hit_tokens: int
     tier_hit_tokens: int
+    cached_tokens: int | None
     session: int
     turn: int
 

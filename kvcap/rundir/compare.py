@@ -143,7 +143,9 @@ class Comparison(RunModel):
     per_level: list[LevelPair] = Field(description="the levels both arms ran")
     treatment_took_effect: bool | None = Field(description="server telemetry shows more requests held by the "
                                                            "treatment at some level, or more prompt tokens served "
-                                                           "from a lower tier; None without either")
+                                                           "from a lower tier, or the server's per-request "
+                                                           "cached_tokens a larger share of the prompt tokens; None "
+                                                           "without any")
     effect_evidence: list[str] | None = Field(default=None, description="what shows the treatment took effect, "
                                                                         "with its numbers (absent: only the "
                                                                         "held-requests sign, or none)")

@@ -60,6 +60,10 @@ RECORD_FIELDS: dict[str, str] = {
     "copy_ms": "sim: time copying its KV between tiers (ms)",
     "prefix_hit_tokens": "sim: prompt tokens found in the prefix cache",
     "tier_hit_tokens": "sim: prompt tokens found in a lower KV tier",
+    "cached_tokens": "bench: prompt tokens the server says it served from its cache, HBM and any connector tier "
+                     "together (usage.prompt_tokens_details.cached_tokens, else llama.cpp's timings.cache_n); None "
+                     "when it did not say (vLLM without --enable-prompt-tokens-details, or with it and nothing "
+                     "found); absent from older runs",
     "session": "multi-turn workloads: the session it belongs to",
     "turn": "multi-turn workloads: its turn within the session (1 for the first)",
 }

@@ -101,8 +101,10 @@ class Imbalance(RunModel):
 class PrefixReuse(RunModel):
     """A level's prompt tokens and the part of them served from a cache instead of computed: the HBM prefix cache
     and a lower KV tier (an offload connector). From the records where they carry hit counts (every measured
-    request that succeeded, all repeats), else from the server's counters' increase over the level's window.
-    Absent from a level whose run has neither."""
+    request that succeeded, all repeats), else from the server's counters' increase over the level's window, else
+    from the server's own per-request count in ``bench`` records (``cached_tokens``). That count does not say which
+    cache served the tokens: the figure puts the total in ``hbm_hit_tokens`` and again in ``server_cached_tokens``
+    (present only then: the split is unknown), ``tier_hit_tokens`` None. Absent from a level whose run has none."""
 
     source: str = Field(description="'records' or 'telemetry'")
     prompt_tokens: Number = Field(description="prompt tokens (records: their input tokens; telemetry: the prefix "
@@ -115,6 +117,9 @@ class PrefixReuse(RunModel):
                                                                        "(None: not reported)")
     hbm_hit_rate: float | None = Field(default=None, description="hbm_hit_tokens / prompt_tokens")
     tier_hit_rate: float | None = Field(default=None, description="tier_hit_tokens / prompt_tokens")
+    server_cached_tokens: Number | None = Field(default=None, description="records, bench: the server's own "
+                                                "per-request cached_tokens, summed — HBM and any tier together "
+                                                "(also in hbm_hit_tokens); absent when the split is known")
 
 
 class LevelSummary(RunModel):
