@@ -193,6 +193,8 @@ def _cached(lv: LevelSummary) -> str:
     r = lv.prefix_reuse
     if r is None:
         return ""
+    if r.server_cached_tokens is not None:  # the server's per-request count: HBM and tier together
+        return f"{r.hbm_hit_rate or 0:.0%} cached (the server's count) of {r.prompt_tokens:,.0f} prompt tokens"
     parts = [f"{r.hbm_hit_rate or 0:.0%} HBM prefix cache"]
     if r.tier_hit_tokens is not None:
         parts.append(f"{r.tier_hit_rate or 0:.0%} tier")
