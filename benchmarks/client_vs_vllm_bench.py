@@ -182,13 +182,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--clients", default="kvcap,vllm", help="the order within a round")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--requests", type=int, default=80)
     ap.add_argument("--input-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=128)
-    ap.add_argument("--blocks", type=int, default=40, help="vLLM's KV pool in 128-token blocks")
+    ap.add_argument("--blocks", type=int, default=2000,
+                    help="vLLM's KV pool in 128-token blocks (enough to keep a run's prompts)")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--no-prefix-caching", action="store_true", help="start vLLM with its prefix cache off")
     ap.add_argument("--vllm-seed", choices=("fixed", "per-round"), default="fixed")
