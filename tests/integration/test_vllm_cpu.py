@@ -94,3 +94,26 @@ def test_sim_finds_the_prefix_hits_real_vllm_finds(capped, tmp_path):
     # some hits and some evictions, or the sequence proves nothing about the order blocks are reused in
     assert 0 < server_hits < (requests - 8) * 1024
     assert sim_hits == server_hits
+
+
+def test_sim_preempts_where_real_vllm_preempts(home, tmp_path):
+    """8 streams of 128 + 512 tokens (5 blocks each at the end) on 19 usable blocks: vLLM admits all 8 and preempts
+    the latest as the pool runs out; the simulator's vLLM at the same settings preempts as many times."""
+    load = ("--concurrency", "8", "--requests", "8", "--warmup", "0s", "--input-tokens", "128",
+            "--output-tokens", "512")
+    with vllm_server(home, VllmConfig(blocks=20, max_num_seqs=8, max_model_len=1024)) as url:
+        before = scrape(url + "/metrics")
+        p = run_cli("bench", "--url", url, "--model", MODEL_NAME, "--out", str(tmp_path / "bench"), "--quiet", *load,
+                    "--metrics-url", url + "/metrics", timeout=600)
+        after = scrape(url + "/metrics")
+    assert p.returncode == 0, p.stderr[-3000:]
+    real = counter(after, "vllm:num_preemptions_total") - counter(before, "vllm:num_preemptions_total")
+    running = max(t["value"] for t in RunDir(tmp_path / "bench").telemetry() if t["name"] == "server.requests_running")
+    p = run_cli("sim", str(ROOT / "scenarios" / "seed-reference.yaml"), "--out", str(tmp_path / "sim"), "--quiet",
+                "--json", *load, "--repeats", "1", "--set", "cluster.nodes=1", "--set", "cluster.gpus_per_node=1",
+                "--set", "serving.tensor_parallel=1", "--set", f"serving.block_size={BLOCK_TOKENS}",
+                "--set", f"serving.kv_tokens={19 * BLOCK_TOKENS}", "--set", "serving.max_num_seqs=8", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    simulated = sum(r["preemptions"] for r in RunDir(tmp_path / "sim").records())
+    assert real > 0 and simulated == real
+    assert running == 8 == json.loads(p.stdout)["levels"][0]["server_running_max"]
