@@ -409,7 +409,12 @@ class TierHits:
     def of(cls, summary: Summary, records_hit_nothing: bool) -> TierHits:
         levels = {(lv.mode, float(lv.level)): (float(r.tier_hit_tokens), float(r.prompt_tokens), r.source)
                   for lv in summary.levels if (r := lv.prefix_reuse) is not None and r.tier_hit_tokens is not None}
-        return cls(levels, records_hit_nothing and not levels)
+        # the server's prefix counters were read at every level and show no offload connector: nothing came from
+        # a tier (a plain vLLM control beside a treatment with LMCache)
+        no_connector = bool(summary.levels) and all(
+            (r := lv.prefix_reuse) is not None and r.source == "telemetry" and r.tier_hit_tokens is None
+            for lv in summary.levels)
+        return cls(levels, (records_hit_nothing or no_connector) and not levels)
 
     def total(self, keys: set[tuple[str, float]] | None = None) -> tuple[float, float] | None:
         """(tier-hit tokens, prompt tokens) over ``keys`` (every level reported when None); None when unknown."""
