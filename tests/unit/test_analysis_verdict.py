@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcap.analysis.verdict import BOOT_EXACT_MAX, _boot, decide, same_caliber, treatment_took_effect
+from kvcap.analysis.effect import treatment_took_effect
+from kvcap.analysis.verdict import BOOT_EXACT_MAX, _boot, decide, same_caliber
 from kvcap.rundir.compare import ArmResult
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.summary import LevelSummary

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvcap.analysis.effect import CACHED_MARGIN, CachedHits, TierHits, cached_took_effect, effect_signs
 from kvcap.analysis.prefix_reuse import cached_figure, figure, record_cached
 from kvcap.analysis.summary import build_summary
-from kvcap.analysis.verdict import CACHED_MARGIN, CachedHits, TierHits, cached_took_effect, effect_signs
 from kvcap.loadgen.client import Outcome, _handle_event, cached_tokens
 from kvcap.rundir import REQUESTS, RunDir
 from kvcap.rundir.summary import LevelSummary

@@ -11,11 +11,11 @@ import json
 import shutil
 
 from kvcap.analysis.diagnosis import PARK_ONLY, RECOMPUTE, diagnose
+from kvcap.analysis.effect import TierHits, idle_tier_warning, tier_evidence, tier_took_effect
 from kvcap.analysis.prefix_reuse import figure, from_counters
 from kvcap.analysis.summary import build_summary
 from kvcap.analysis.telemetry import Telemetry
 from kvcap.analysis.telemetry_figures import TelemetryFigures
-from kvcap.analysis.verdict import TierHits, idle_tier_warning, tier_evidence, tier_took_effect
 from kvcap.rundir import RunDir
 from kvcap.rundir.manifest import Manifest
 from kvcap.rundir.summary import LevelSummary

